@@ -1,0 +1,1 @@
+"""HyScale: a Megatron-Core plugin for long-context DSA training."""

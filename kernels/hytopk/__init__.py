@@ -1,0 +1,1 @@
+"""HyTopK: exact top-k of the lightning-indexer scores, never writing the score table."""
