@@ -92,6 +92,18 @@ PATCHES = [
 ]
 
 
+_ROLE_TO_PATCH = {"qk_topk": 0, "indexer_loss": 1, "sparse_attention": 2}
+
+
+def original(role: str):
+    """Stock's callable for ``role`` (the ``apply`` of the loss Function for 'indexer_loss')."""
+    patch = PATCHES[_ROLE_TO_PATCH[role]]
+    orig = patch.original
+    if role == "indexer_loss":
+        return orig.apply
+    return getattr(orig, "__wrapped__", orig)
+
+
 def apply() -> None:
     for p in PATCHES:
         p.apply()

@@ -1,0 +1,112 @@
+"""Typed HyScale configuration: one dataclass, every field documented and validated.
+
+The same fields are exposed as Megatron command-line flags (see ``hyscale_megatron.arguments``)
+and as environment variables (``HYSCALE_<FIELD>``, uppercase), flags taking precedence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_IMPLS = ("auto", "triton", "reference")
+
+
+class HyScaleConfigError(ValueError):
+    """A HyScale setting is invalid; the message says how to fix it."""
+
+
+@dataclass
+class HyScaleConfig:
+    """Settings of the HyScale DSA layer."""
+
+    enabled: bool = field(default=True, metadata={"doc": "Use HyScale's DSA core attention (--hyscale / --no-hyscale)."})
+    topk_impl: str = field(
+        default="auto",
+        metadata={"doc": "Top-k selection: 'triton' (HyTopK kernel), 'reference' (chunked PyTorch), "
+                          "'auto' (HyTopK on CUDA, reference on CPU)."},
+    )
+    attn_impl: str = field(
+        default="auto",
+        metadata={"doc": "Sparse attention + indexer loss: 'triton', 'reference', or 'auto' (Triton on CUDA)."},
+    )
+    replay: bool = field(
+        default=True,
+        metadata={"doc": "Selection replay: recompute reuses the forward's top-k (keyed by layer, microbatch)."},
+    )
+    replay_offload: bool = field(
+        default=False,
+        metadata={"doc": "Keep replayed indices in pinned host memory between forward and recompute."},
+    )
+    replay_compact: bool = field(
+        default=True,
+        metadata={"doc": "Store replayed indices as int32 (the kernels' native type) instead of int64."},
+    )
+    deterministic: bool = field(
+        default=False,
+        metadata={"doc": "Deterministic gradient reductions in the sparse kernels (slower)."},
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> "HyScaleConfig":
+        for name in ("topk_impl", "attn_impl"):
+            val = getattr(self, name)
+            if val not in _IMPLS:
+                raise HyScaleConfigError(
+                    f"HyScaleConfig.{name}={val!r} is invalid; choose one of {', '.join(_IMPLS)} "
+                    f"(flag --hyscale-{name.replace('_', '-')}, env HYSCALE_{name.upper()})."
+                )
+        for name in ("enabled", "replay", "replay_offload", "replay_compact", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise HyScaleConfigError(f"HyScaleConfig.{name} must be a bool, got {getattr(self, name)!r}.")
+        if self.replay_offload and not self.replay:
+            raise HyScaleConfigError(
+                "HyScaleConfig.replay_offload=True needs replay=True: offloading applies to replayed "
+                "indices (drop --hyscale-replay-offload or add --hyscale-replay)."
+            )
+        return self
+
+    def replace(self, **changes: Any) -> "HyScaleConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides: Any) -> "HyScaleConfig":
+        """Defaults, then ``HYSCALE_<FIELD>`` environment variables, then ``overrides``."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(f"HYSCALE_{f.name.upper()}")
+            if raw is None:
+                continue
+            if f.type in (bool, "bool"):
+                low = raw.strip().lower()
+                if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                    raise HyScaleConfigError(f"HYSCALE_{f.name.upper()}={raw!r}: use 1/0, true/false, on/off.")
+                values[f.name] = low in ("1", "true", "yes", "on")
+            else:
+                values[f.name] = raw.strip()
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    @classmethod
+    def from_args(cls, args) -> "HyScaleConfig":
+        """Build from a Megatron ``args`` namespace carrying the ``--hyscale-*`` flags."""
+        overrides = {}
+        for f in fields(cls):
+            attr = "hyscale" if f.name == "enabled" else f"hyscale_{f.name}"
+            if hasattr(args, attr):
+                overrides[f.name] = getattr(args, attr)
+        return cls.from_env(**overrides)
+
+
+def config_table_markdown() -> str:
+    """Markdown table of every field, its flag, env variable and default (used by the README)."""
+    rows = ["| field | flag | env | default | meaning |", "|---|---|---|---|---|"]
+    for f in fields(HyScaleConfig):
+        flag = "--hyscale / --no-hyscale" if f.name == "enabled" else f"--hyscale-{f.name.replace('_', '-')}"
+        rows.append(f"| {f.name} | `{flag}` | `HYSCALE_{f.name.upper()}` | `{f.default}` | {f.metadata['doc']} |")
+    return "\n".join(rows)

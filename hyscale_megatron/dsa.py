@@ -1,0 +1,183 @@
+"""HyScale's DSA core attention: a drop-in subclass of stock ``DSAttention``.
+
+Same constructor, same forward contract, same parameters and state-dict keys (the indexer and
+everything else are built by stock's ``__init__``). Stock's forward still does all layout work
+(sequence/context-parallel gathers, packed-sequence bounds, masks); while it runs, the three
+compute points it calls are routed here (``hyscale_patches.dsa_dispatch``):
+
+- selection: HyTopK (exact top-k on the fly, no score table) or the chunked reference;
+- indexer loss: computed over the selected tokens only (sparse stage) or chunked (dense stage);
+- sparse attention: over the selected indices, O(T * k), instead of stock's dense fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.transformer.experimental_attention_variant import dsa as stock_dsa
+from megatron.core.transformer.experimental_attention_variant import dsa_masking
+
+from hyscale_patches import dsa_dispatch
+
+from . import selection
+from ._log import log_once
+from .config import HyScaleConfig
+
+
+def _tp_group(pg_collection):
+    tp = getattr(pg_collection, "tp", None)
+    if tp is None:
+        return None
+    try:
+        return tp if tp.size() > 1 else None
+    except Exception:  # noqa: BLE001 - stub groups in tests
+        return None
+
+
+class _Compute:
+    """Override object for one forward of one layer (see hyscale_patches.dsa_dispatch)."""
+
+    def __init__(self, layer: "HyScaleDSAttention"):
+        self.layer = layer
+        self.cfg = layer.hyscale
+
+    # --- selection -----------------------------------------------------------------------
+    def qk_topk(self, q, k, weights, index_topk, mask=None, varlen_starts=None, varlen_ends=None,
+                key_positions=None, use_relu=True):
+        """Replaces ``dsa.fused_qk_topk_naive``; returns (None, int32 [b, sq, min(topk, sk)])."""
+        with torch.no_grad():
+            return None, self._select(q.detach(), k.detach(), weights.detach(), index_topk, mask,
+                                      varlen_starts, varlen_ends, key_positions, use_relu)
+
+    def _select(self, q, k, w, index_topk, mask, varlen_starts, varlen_ends, key_positions, use_relu):
+        sq, b = q.shape[0], q.shape[1]
+        sk = k.shape[0]
+        kk = min(int(index_topk), sk)
+        bounds = dsa_masking.build_fused_indexer_varlen_bounds(
+            sq=sq, skv=sk, device=q.device, mask=mask, varlen_starts=varlen_starts,
+            varlen_ends=varlen_ends, key_positions=key_positions,
+        )
+        out = torch.empty(b, sq, kk, dtype=torch.int32, device=q.device)
+        for bi in range(b):
+            if bounds is not None:
+                out[bi] = selection.select_rows(q[:, bi], w[:, bi], k[:, bi], bounds[0], bounds[1], kk,
+                                                use_relu, self.cfg.topk_impl)
+                continue
+            if mask is not None:
+                m = mask if mask.dim() == 2 else mask[bi]
+                valid, additive = torch.isfinite(m), m.float().masked_fill(~torch.isfinite(m), 0.0)
+            else:
+                st, en, kp = dsa_masking.normalize_varlen_bounds(
+                    mask=None, varlen_starts=varlen_starts, varlen_ends=varlen_ends,
+                    key_positions=key_positions, sk=sk, device=q.device)
+                valid, additive = dsa_masking.build_valid_mask_from_starts_ends(st, en, kp), None
+            out[bi] = selection.select_rows_masked(q[:, bi], w[:, bi], k[:, bi], valid, additive, kk, use_relu)
+        return out
+
+    # --- indexer loss --------------------------------------------------------------------
+    def indexer_loss(self, q, weights, k, query, key, softmax_scale, topk, loss_coeff, mask, sparse_loss,
+                     pg_collection, varlen_starts=None, varlen_ends=None, key_positions=None,
+                     query_valid_rows=None, calculate_per_token_loss=False, use_relu=True):
+        """Replaces ``dsa.FusedDSAIndexerLoss.apply``; returns (topk_indices, loss)."""
+        shared_kv = key.size(2) == 1 or key.stride(2) == 0
+        needs_stock = not shared_kv or (not sparse_loss and (mask is not None or key_positions is not None))
+        if needs_stock:
+            log_once("loss-stock", "hyscale: indexer loss for this layout (non-absorbed key or explicit mask in "
+                     "the dense stage) uses stock's dense reference path")
+            return dsa_dispatch.original("indexer_loss")(
+                q, weights, k, query, key, softmax_scale, topk, loss_coeff, mask, sparse_loss, pg_collection,
+                varlen_starts, varlen_ends, key_positions, query_valid_rows, calculate_per_token_loss, use_relu)
+        idx = self._select(q.detach(), k.detach(), weights.detach(), topk, mask, varlen_starts, varlen_ends,
+                           key_positions, use_relu)
+        loss = self._loss(q, weights, k, query, key, idx, softmax_scale, loss_coeff, sparse_loss, pg_collection,
+                          mask, varlen_starts, varlen_ends, query_valid_rows, calculate_per_token_loss, use_relu)
+        return idx, loss
+
+    def _loss(self, q, weights, k, query, key, idx, softmax_scale, loss_coeff, sparse_loss, pg_collection,
+              mask, varlen_starts, varlen_ends, query_valid_rows, calculate_per_token_loss, use_relu):
+        from hyscale_kernels.indexer_loss import reference as loss_ref  # noqa: PLC0415
+
+        sq, b = query.shape[0], query.shape[1]
+        sk = key.shape[0]
+        tp_group = _tp_group(pg_collection)
+        rows_valid = dsa_masking.normalize_query_valid_rows(query_valid_rows, b=b, sq=sq, device=query.device)
+        if not sparse_loss:
+            bounds = dsa_masking.build_fused_indexer_varlen_bounds(
+                sq=sq, skv=sk, device=q.device, mask=mask, varlen_starts=varlen_starts,
+                varlen_ends=varlen_ends, key_positions=None)
+        total = None
+        for bi in range(b):
+            kv = key[:, bi, 0].detach()
+            qv = None if rows_valid is None else rows_valid[bi]
+            common = dict(loss_coeff=1.0, relu=use_relu, query_valid_rows=qv, calculate_per_token_loss=True,
+                          tp_group=tp_group)
+            if sparse_loss:
+                kl = loss_ref.sparse_indexer_loss_reference(
+                    q[:, bi], weights[:, bi], k[:, bi], query[:, bi].detach(), kv, idx[bi], softmax_scale, **common)
+            else:
+                kl = loss_ref.dense_indexer_loss_reference(
+                    q[:, bi], weights[:, bi], k[:, bi], query[:, bi].detach(), kv, bounds[0], bounds[1],
+                    softmax_scale, **common)
+            total = kl if total is None else total + kl
+        if not calculate_per_token_loss:
+            n_rows = rows_valid.sum().float().clamp_min(1.0) if rows_valid is not None else float(max(b * sq, 1))
+            total = total / n_rows
+        return total * loss_coeff
+
+    # --- sparse attention ----------------------------------------------------------------
+    def sparse_attention(self, *, absorbed_mla, query, key, value, up_v_weight, topk_indices, softmax_scale,
+                         config, mask, varlen_starts, varlen_ends, key_positions, topk_length=None):
+        """Replaces ``dsa._run_sparse_attention`` for the absorbed-MLA layout."""
+        if not absorbed_mla or topk_length is not None or up_v_weight is None or value is not None:
+            log_once("attn-stock", "hyscale: non-absorbed MLA layout -> stock's chunked sparse attention")
+            return dsa_dispatch.original("sparse_attention")(
+                absorbed_mla=absorbed_mla, query=query, key=key, value=value, up_v_weight=up_v_weight,
+                topk_indices=topk_indices, softmax_scale=softmax_scale, config=config, mask=mask,
+                varlen_starts=varlen_starts, varlen_ends=varlen_ends, key_positions=key_positions,
+                topk_length=topk_length)
+        v_dim = int(config.kv_lora_rank)
+        sq, b = query.shape[0], query.shape[1]
+        outs = []
+        for bi in range(b):
+            out, _lse = self._sparse_mla(query[:, bi], key[:, bi, 0], topk_indices[bi], softmax_scale, v_dim)
+            outs.append(out)
+        latent = torch.stack(outs, dim=1)  # [sq, b, np, v_dim]
+        output = torch.einsum("sbhc,hdc->sbhd", latent, up_v_weight)
+        return output.reshape(sq, b, -1)
+
+    def _sparse_mla(self, q, kv, idx, scale, v_dim):
+        impl = self.cfg.attn_impl
+        if impl == "triton" or (impl == "auto" and q.is_cuda):
+            try:
+                from hyscale_kernels.sparse_mla import sparse_mla  # noqa: PLC0415
+            except ImportError:
+                sparse_mla = None
+            if sparse_mla is not None:
+                return sparse_mla(q, kv, idx, scale, v_dim=v_dim)
+            if impl == "triton":
+                raise RuntimeError("attn_impl='triton' requested but hyscale_kernels.sparse_mla.sparse_mla is unavailable")
+        from hyscale_kernels.sparse_mla.reference import sparse_mla_reference  # noqa: PLC0415
+
+        if q.is_cuda:
+            log_once("attn-ref-cuda", "hyscale: sparse attention on CUDA uses the chunked PyTorch reference")
+        return sparse_mla_reference(q, kv, idx, scale, v_dim=v_dim)
+
+
+class HyScaleDSAttention(stock_dsa.DSAttention):
+    """Stock ``DSAttention`` with HyScale selection, indexer loss and sparse attention.
+
+    Accepts every constructor argument of stock ``DSAttention`` plus ``hyscale`` (a
+    :class:`HyScaleConfig`; defaults from the environment). The forward contract is stock's.
+    """
+
+    def __init__(self, *args, hyscale: Optional[HyScaleConfig] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hyscale = hyscale if hyscale is not None else HyScaleConfig.from_env()
+        dsa_dispatch.apply()
+
+    def forward(self, *args, **kwargs):
+        if not self.hyscale.enabled:
+            return super().forward(*args, **kwargs)
+        with dsa_dispatch.active_override(_Compute(self)):
+            return super().forward(*args, **kwargs)

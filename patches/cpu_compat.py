@@ -1,0 +1,66 @@
+"""Make megatron-core 0.19.x's model code run on a machine without CUDA.
+
+Applied only when ``torch.cuda.is_available()`` is False. Stock calls
+``torch.cuda.current_device()`` as a device (rotary embeddings, the indexer-loss tracker) and
+saves/restores the CUDA RNG around checkpointed regions; on CPU those become the CPU device and
+the CPU RNG. Nothing changes on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._base import Patch
+
+RANDOM = "megatron.core.tensor_parallel.random"
+
+
+def _current_device(_orig):
+    def current_device():
+        return "cpu"
+
+    return current_device
+
+
+def _get_rng(_orig):
+    from megatron.core.tensor_parallel import random as tp_random
+
+    def _get_all_rng_states():
+        return torch.get_rng_state(), None, tp_random.get_cuda_rng_tracker().get_states()
+
+    return _get_all_rng_states
+
+
+def _set_rng(_orig):
+    from megatron.core.tensor_parallel import random as tp_random
+
+    def _set_all_rng_states(cpu_rng_state, cuda_rng_state, cuda_rng_state_tracker):
+        torch.set_rng_state(cpu_rng_state)
+        tp_random.get_cuda_rng_tracker().set_states(cuda_rng_state_tracker)
+
+    return _set_all_rng_states
+
+
+PATCHES = [
+    Patch("cpu-current-device", "torch.cuda", "current_device", _current_device),
+    Patch("cpu-rng-get", RANDOM, "_get_all_rng_states", _get_rng),
+    Patch("cpu-rng-set", RANDOM, "_set_all_rng_states", _set_rng),
+]
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def apply(force: bool = False) -> bool:
+    """Apply when there is no CUDA (or ``force``). Returns whether the patches are active."""
+    if not (force or needed()):
+        return False
+    for p in PATCHES:
+        p.apply()
+    return True
+
+
+def revert() -> None:
+    for p in PATCHES:
+        p.revert()

@@ -1,0 +1,36 @@
+"""Test setup shared by every test module.
+
+TRITON_INTERPRET must be set before triton is first imported (megatron imports it), so on a
+machine without CUDA the Triton kernels run in the interpreter at tiny shapes.
+"""
+
+import os
+
+try:  # decide before anything imports triton
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except Exception:  # noqa: BLE001
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def megatron_env():
+    """Single-process gloo/NCCL group + Megatron model-parallel state (TP=PP=1)."""
+    from hyscale_megatron.env import init_single_process
+
+    init_single_process()
+    yield
