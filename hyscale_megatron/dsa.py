@@ -18,9 +18,9 @@ import torch
 from megatron.core.transformer.experimental_attention_variant import dsa as stock_dsa
 from megatron.core.transformer.experimental_attention_variant import dsa_masking
 
-from hyscale_patches import dsa_dispatch
+from hyscale_patches import checkpoint_hooks, dsa_dispatch
 
-from . import selection
+from . import replay, selection
 from ._log import log_once
 from .config import HyScaleConfig
 
@@ -36,19 +36,47 @@ def _tp_group(pg_collection):
 
 
 class _Compute:
-    """Override object for one forward of one layer (see hyscale_patches.dsa_dispatch)."""
+    """Override object for one forward of one layer (see hyscale_patches.dsa_dispatch).
 
-    def __init__(self, layer: "HyScaleDSAttention"):
+    ``mb`` is the microbatch key of this forward, ``recompute`` whether this is the backward's
+    re-run of a checkpointed region, ``will_recompute`` whether a re-run will follow, ``fp``
+    the fingerprint of the indexer inputs.
+    """
+
+    def __init__(self, layer: "HyScaleDSAttention", mb: int = 0, recompute: bool = False,
+                 will_recompute: bool = False, fp: Optional[torch.Tensor] = None):
         self.layer = layer
         self.cfg = layer.hyscale
+        self.mb = mb
+        self.recompute = recompute
+        self.will_recompute = will_recompute
+        self.fp = fp
+
+    def use_fused_kernels(self, config):
+        """Everything runs here, so stock's optional TileLang/cuDNN hooks are not consulted."""
+        return False
 
     # --- selection -----------------------------------------------------------------------
     def qk_topk(self, q, k, weights, index_topk, mask=None, varlen_starts=None, varlen_ends=None,
                 key_positions=None, use_relu=True):
         """Replaces ``dsa.fused_qk_topk_naive``; returns (None, int32 [b, sq, min(topk, sk)])."""
         with torch.no_grad():
-            return None, self._select(q.detach(), k.detach(), weights.detach(), index_topk, mask,
-                                      varlen_starts, varlen_ends, key_positions, use_relu)
+            return None, self._select_or_replay(q.detach(), k.detach(), weights.detach(), index_topk, mask,
+                                                varlen_starts, varlen_ends, key_positions, use_relu)
+
+    def _select_or_replay(self, q, k, w, index_topk, mask, varlen_starts, varlen_ends, key_positions, use_relu):
+        """Selection with replay: the recompute reads the forward's indices instead of selecting."""
+        layer, store = self.layer, replay.get_store()
+        key = (layer.layer_number, self.mb)
+        shape = (q.shape[1], q.shape[0], min(int(index_topk), k.shape[0]))
+        if self.recompute and self.cfg.replay:
+            return store.read(key, fp=self.fp, shape=shape)
+        idx = self._select(q, k, w, index_topk, mask, varlen_starts, varlen_ends, key_positions, use_relu)
+        if not self.recompute:
+            pending = (1 if (self.will_recompute and self.cfg.replay) else 0) + layer.n_index_share_readers
+            store.put(key, idx, self.fp, pending, offload=self.cfg.replay_offload, compact=self.cfg.replay_compact,
+                      sk=k.shape[0])
+        return idx
 
     def _select(self, q, k, w, index_topk, mask, varlen_starts, varlen_ends, key_positions, use_relu):
         sq, b = q.shape[0], q.shape[1]
@@ -88,8 +116,9 @@ class _Compute:
             return dsa_dispatch.original("indexer_loss")(
                 q, weights, k, query, key, softmax_scale, topk, loss_coeff, mask, sparse_loss, pg_collection,
                 varlen_starts, varlen_ends, key_positions, query_valid_rows, calculate_per_token_loss, use_relu)
-        idx = self._select(q.detach(), k.detach(), weights.detach(), topk, mask, varlen_starts, varlen_ends,
-                           key_positions, use_relu)
+        with torch.no_grad():
+            idx = self._select_or_replay(q.detach(), k.detach(), weights.detach(), topk, mask, varlen_starts,
+                                         varlen_ends, key_positions, use_relu)
         loss = self._loss(q, weights, k, query, key, idx, softmax_scale, loss_coeff, sparse_loss, pg_collection,
                           mask, varlen_starts, varlen_ends, query_valid_rows, calculate_per_token_loss, use_relu)
         return idx, loss
@@ -171,13 +200,66 @@ class HyScaleDSAttention(stock_dsa.DSAttention):
     :class:`HyScaleConfig`; defaults from the environment). The forward contract is stock's.
     """
 
+    _FORWARD_ARGS = ("query", "key", "value", "attention_mask", "x", "qr", "position_ids", "attn_mask_type",
+                     "attention_bias", "packed_seq_params", "up_v_weight")
+
     def __init__(self, *args, hyscale: Optional[HyScaleConfig] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.hyscale = hyscale if hyscale is not None else HyScaleConfig.from_env()
+        self._forward_count = 0
+        # Layers that reuse this layer's top-k (IndexShare): each reads it once per forward.
+        self.n_index_share_readers = 0
+        if self.index_share and not self.skip_topk:
+            self.n_index_share_readers = sum(
+                1 for s in range(self.layer_number + 1, self.config.num_layers + 1)
+                if stock_dsa.is_dsa_skip_topk_layer(s, self.index_skip_topk_offset, self.index_topk_freq)
+                and stock_dsa.source_dsa_compute_layer(s, self.index_skip_topk_offset, self.index_topk_freq)
+                == self.layer_number)
         dsa_dispatch.apply()
+        checkpoint_hooks.apply()
+
+    def _microbatch(self):
+        """(microbatch key, is_recompute, will_recompute) of the current forward."""
+        region = checkpoint_hooks.current_region()
+        slot = ("hyscale_mb", id(self))
+        if region is not None and region.phase == "recompute":
+            if slot not in region.data:
+                raise replay.ReplayMismatchError(
+                    f"layer {self.layer_number}: recompute of a region whose forward this layer did not run")
+            return region.data[slot], True, False
+        mb = self._forward_count
+        self._forward_count += 1
+        if region is not None:
+            region.data[slot] = mb
+        return mb, False, bool(region is not None and region.will_recompute)
 
     def forward(self, *args, **kwargs):
         if not self.hyscale.enabled:
             return super().forward(*args, **kwargs)
-        with dsa_dispatch.active_override(_Compute(self)):
+        bound = dict(zip(self._FORWARD_ARGS, args), **kwargs)
+        mb, recompute, will_recompute = self._microbatch()
+        needs_fp = self.hyscale.replay and not self.skip_topk and (recompute or will_recompute)
+        fp = replay.fingerprint(bound["x"], bound["qr"]) if needs_fp else None
+        if self.skip_topk:
+            self._load_shared_topk(bound, mb, recompute, will_recompute)
+        with dsa_dispatch.active_override(_Compute(self, mb, recompute, will_recompute, fp)):
             return super().forward(*args, **kwargs)
+
+    def _load_shared_topk(self, bound, mb, recompute, will_recompute):
+        """IndexShare: put the source layer's indices *of this microbatch* where stock reads them.
+
+        Stock keeps shared indices on the packed_seq_params / attention_mask / config object,
+        which is shared by microbatches in flight; we serve them from the (layer, microbatch)
+        store instead.
+        """
+        store, key = replay.get_store(), (self.source_layer, mb)
+        if not recompute and will_recompute:
+            store.add_pending(key, 1)
+        query = bound["query"]
+        idx = store.read(key, fp=None)
+        if query.dim() == 4 and idx.shape[:2] != (query.shape[1], query.shape[0]):
+            raise replay.ReplayMismatchError(
+                f"IndexShare layer {self.layer_number}: source layer {self.source_layer} indices have shape "
+                f"{tuple(idx.shape)}, this layer's query has [s={query.shape[0]}, b={query.shape[1]}]")
+        holder = self._get_index_share_topk_holder(bound.get("packed_seq_params"), bound.get("attention_mask"))
+        holder[self.source_layer] = idx

@@ -14,7 +14,10 @@ Roles (method names on the override object) and the stock symbols they replace:
   replaces ``dsa.fused_qk_topk_naive``;
 - ``indexer_loss(*args) -> (topk_indices, loss)`` replaces ``dsa.FusedDSAIndexerLoss.apply``
   (same positional arguments, see ``dsa._FUSED_DSA_INDEXER_LOSS_INPUT_NAMES``);
-- ``sparse_attention(**kwargs) -> output`` replaces ``dsa._run_sparse_attention``.
+- ``sparse_attention(**kwargs) -> output`` replaces ``dsa._run_sparse_attention``;
+- ``use_fused_kernels(config) -> bool`` replaces ``dsa_kernels.use_fused_dsa_kernels`` (an
+  override that computes everything itself returns False, so stock's optional TileLang/cuDNN
+  hooks are not consulted inside it).
 
 This module knows Megatron, not HyScale's kernels.
 """
@@ -80,6 +83,8 @@ def _make_loss_dispatcher(original_cls):
     return FusedDSAIndexerLossDispatch
 
 
+KERNELS_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa_kernels"
+
 PATCHES = [
     Patch("dsa-topk-dispatch", DSA_MODULE, "fused_qk_topk_naive", _make_function_dispatcher("qk_topk")),
     Patch("dsa-loss-dispatch", DSA_MODULE, "FusedDSAIndexerLoss", _make_loss_dispatcher),
@@ -89,10 +94,12 @@ PATCHES = [
         "_run_sparse_attention",
         _make_function_dispatcher("sparse_attention"),
     ),
+    Patch("dsa-fused-kernels-dispatch", KERNELS_MODULE, "use_fused_dsa_kernels",
+          _make_function_dispatcher("use_fused_kernels")),
 ]
 
 
-_ROLE_TO_PATCH = {"qk_topk": 0, "indexer_loss": 1, "sparse_attention": 2}
+_ROLE_TO_PATCH = {"qk_topk": 0, "indexer_loss": 1, "sparse_attention": 2, "use_fused_kernels": 3}
 
 
 def original(role: str):

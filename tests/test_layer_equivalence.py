@@ -36,14 +36,14 @@ def _step(model, tokens):
     return per_token.detach().float(), _tracker_values(), grads
 
 
-def _pair(dtype, **cfg_overrides):
+def _pair(dtype, replay=False, **cfg_overrides):
     from hyscale_megatron.env import seed_all
 
     cfg = mla_dsa_config(dtype=dtype, **cfg_overrides)
     seed_all(7)
     stock = build_gpt(cfg, use_hyscale=False, vocab_size=VOCAB)
     ours = build_gpt(cfg, use_hyscale=True, hyscale=HyScaleConfig(topk_impl="reference", attn_impl="reference",
-                                                                  replay=False), vocab_size=VOCAB)
+                                                                  replay=replay), vocab_size=VOCAB)
     missing, unexpected = ours.load_state_dict(stock.state_dict(), strict=True)
     assert not missing and not unexpected
     return stock, ours
