@@ -1,0 +1,291 @@
+"""Indexer scores at given key indices, with gradients to q, w and k.
+
+    out[t, j] = I[t, indices[t, j]] = sum_h w[t, h] * act(q[t, h, :] . k[indices[t, j], :])
+
+fp32 [T, topk], -inf where ``indices == -1``. This is the "predict" side of the sparse-stage
+indexer loss: only the selected keys are scored, O(T * topk * H * D) work. Nothing of size
+[T, topk, D] is materialised: each program gathers its keys tile by tile.
+
+Backward (per row t, over its selected keys j):
+    dS[h, j] = g[t, j] * w[t, h] * act'(s[h, j])
+    dw[t, h] = sum_j g[t, j] * act(s[h, j])
+    dq[t, h] = sum_j dS[h, j] * k[idx[t, j]]
+    dk[idx[t, j]] += sum_h dS[h, j] * q[t, h]        (scatter-add over selected rows)
+
+The scatter-add to k uses fp32 atomics by default (fast, order-dependent in the last bits).
+``deterministic=True`` instead writes per-slot contributions for a bounded chunk of rows and
+reduces them with a sorted segmented sum (fixed order, bit-identical run to run).
+
+Paths: Triton on CUDA, and on CPU under ``TRITON_INTERPRET=1`` (the same kernels, interpreted);
+plain CPU without the interpreter uses a row-chunked PyTorch path (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .._common import check, check_tensor
+from ..sparse_mla.scatter import deterministic_scatter_add_
+
+_log = logging.getLogger("hyscale_kernels")
+_logged_fallback = False
+NEG_INF = float("-inf")
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _load_row(q, w, i_t, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """q[t] as [BLOCK_H, BLOCK_D] and w[t] as fp32 [BLOCK_H] (zeros past H / D)."""
+    o_h = tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    m_h = o_h < H
+    row = i_t.to(tl.int64)
+    b_q = tl.load(q + row * H * D + o_h[:, None] * D + o_d[None, :],
+                  mask=m_h[:, None] & (o_d[None, :] < D), other=0.0)  # [BLOCK_H, BLOCK_D]
+    b_w = tl.load(w + row * H + o_h, mask=m_h, other=0.0).to(tl.float32)  # [BLOCK_H]
+    return b_q, b_w
+
+
+@triton.jit
+def _gather_keys(k, idx, i_t, j0, K: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Selected key rows [BLOCK_J, BLOCK_D] (zeros at padding), their indices and validity."""
+    o_j = j0 + tl.arange(0, BLOCK_J)
+    o_d = tl.arange(0, BLOCK_D)
+    b_idx = tl.load(idx + i_t.to(tl.int64) * K + o_j, mask=o_j < K, other=-1).to(tl.int64)  # [BLOCK_J]
+    m_j = b_idx >= 0
+    b_k = tl.load(k + b_idx[:, None] * D + o_d[None, :],
+                  mask=m_j[:, None] & (o_d[None, :] < D), other=0.0)  # [BLOCK_J, BLOCK_D]
+    return b_k, b_idx, m_j, o_j
+
+
+@triton.jit
+def _selected_scores_fwd_kernel(
+    q, w, k, idx, out,
+    H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+):
+    i_t = tl.program_id(0)  # query row
+    i_j = tl.program_id(1)  # block of selected slots
+    b_q, b_w = _load_row(q, w, i_t, H, D, BLOCK_H, BLOCK_D)
+    b_k, b_idx, m_j, o_j = _gather_keys(k, idx, i_t, i_j * BLOCK_J, K, D, BLOCK_J, BLOCK_D)
+    if IEEE:
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_H, BLOCK_J]
+    else:
+        b_s = tl.dot(b_q, tl.trans(b_k))  # [BLOCK_H, BLOCK_J]
+    if RELU:
+        b_s = tl.maximum(b_s, 0.0)
+    b_o = tl.sum(b_s * b_w[:, None], axis=0)  # [BLOCK_J]
+    b_o = tl.where(m_j, b_o, float("-inf"))
+    tl.store(out + i_t.to(tl.int64) * K + o_j, b_o, mask=o_j < K)
+
+
+@triton.jit
+def _selected_scores_bwd_kernel(
+    q, w, k, idx, g, dq, dw, dk, row0,
+    H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+):
+    # query row; the program walks all its selected slots (K is constexpr: a static loop, which
+    # the interpreter with numpy >= 2.5 needs; topk takes few values per model anyway)
+    i_t = tl.program_id(0) + row0
+    o_h = tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    m_h = o_h < H
+    m_d = o_d < D
+    b_q, b_w = _load_row(q, w, i_t, H, D, BLOCK_H, BLOCK_D)
+    b_dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)  # [BLOCK_H, BLOCK_D]
+    b_dw = tl.zeros([BLOCK_H], dtype=tl.float32)  # [BLOCK_H]
+    for j0 in range(0, K, BLOCK_J):
+        b_k, b_idx, m_j, o_j = _gather_keys(k, idx, i_t, j0, K, D, BLOCK_J, BLOCK_D)
+        b_g = tl.load(g + i_t.to(tl.int64) * K + o_j, mask=m_j, other=0.0)  # [BLOCK_J]
+        if IEEE:
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_H, BLOCK_J]
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k))  # [BLOCK_H, BLOCK_J]
+        if RELU:
+            b_dw += tl.sum(tl.maximum(b_s, 0.0) * b_g[None, :], axis=1)
+            b_ds = tl.where(b_s > 0.0, b_w[:, None] * b_g[None, :], 0.0)  # [BLOCK_H, BLOCK_J]
+        else:
+            b_dw += tl.sum(b_s * b_g[None, :], axis=1)
+            b_ds = b_w[:, None] * b_g[None, :]  # [BLOCK_H, BLOCK_J]
+        b_ds = b_ds.to(b_k.dtype)
+        if IEEE:
+            b_dq += tl.dot(b_ds, b_k, input_precision="ieee")
+            b_dk = tl.dot(tl.trans(b_ds), b_q, input_precision="ieee")  # [BLOCK_J, BLOCK_D]
+        else:
+            b_dq += tl.dot(b_ds, b_k)
+            b_dk = tl.dot(tl.trans(b_ds), b_q)  # [BLOCK_J, BLOCK_D]
+        if DETERMINISTIC:  # per-slot contributions of this row chunk, reduced in sorted order later
+            p_buf = dk + ((i_t - row0).to(tl.int64) * K + o_j)[:, None] * D + o_d[None, :]
+            tl.store(p_buf, b_dk, mask=(o_j < K)[:, None] & m_d[None, :])
+        else:
+            tl.atomic_add(dk + b_idx[:, None] * D + o_d[None, :], b_dk, mask=m_j[:, None] & m_d[None, :])
+    row = i_t.to(tl.int64)
+    tl.store(dq + row * H * D + o_h[:, None] * D + o_d[None, :], b_dq, mask=m_h[:, None] & m_d[None, :])
+    tl.store(dw + row * H + o_h, b_dw, mask=m_h)
+
+
+def _blocks(H: int, D: int):
+    return max(16, triton.next_power_of_2(H)), max(16, triton.next_power_of_2(D))
+
+
+def _triton_fwd(q, w, k, idx, relu: bool, block_j: int = 64):
+    T, H, D = q.shape
+    K = idx.shape[1]
+    out = torch.empty(T, K, dtype=torch.float32, device=q.device)
+    if T == 0 or K == 0:
+        return out
+    BLOCK_H, BLOCK_D = _blocks(H, D)
+    grid = (T, triton.cdiv(K, block_j))
+    _selected_scores_fwd_kernel[grid](q, w, k, idx, out, H, D, K, RELU=relu, IEEE=q.dtype == torch.float32,
+                                      BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_J=block_j)
+    return out
+
+
+def _triton_bwd(q, w, k, idx, g, relu: bool, deterministic: bool, block_j: int = 32,
+                buf_elems: int = 1 << 26):
+    T, H, D = q.shape
+    S, K = k.shape[0], idx.shape[1]
+    dq = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
+    dw = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(S, D, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return dq, dw, dk
+    BLOCK_H, BLOCK_D = _blocks(H, D)
+    meta = dict(RELU=relu, IEEE=q.dtype == torch.float32, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_J=block_j)
+    if not deterministic:
+        _selected_scores_bwd_kernel[(T,)](q, w, k, idx, g, dq, dw, dk, 0, H, D, K, DETERMINISTIC=False, **meta)
+        return dq, dw, dk
+    rows = max(1, min(T, buf_elems // max(1, K * D)))  # bounded [rows, K, D] contribution buffer
+    buf = torch.empty(rows * K, D, dtype=torch.float32, device=q.device)
+    for r0 in range(0, T, rows):
+        r1 = min(T, r0 + rows)
+        _selected_scores_bwd_kernel[(r1 - r0,)](q, w, k, idx, g, dq, dw, buf, r0, H, D, K,
+                                                DETERMINISTIC=True, **meta)
+        deterministic_scatter_add_(dk, idx[r0:r1].reshape(-1), buf[: (r1 - r0) * K])
+    return dq, dw, dk
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch fallback (CPU without the interpreter): row-chunked, O(rows * topk * D) working set
+# ---------------------------------------------------------------------------------------------
+def _torch_rows(K, D, H):
+    return max(1, (1 << 22) // max(1, K * (D + H)))
+
+
+def _torch_scores(q, w, k_sel, relu):
+    s = torch.einsum("thd,tjd->thj", q.float(), k_sel)  # [R, H, K]
+    a = s.relu() if relu else s
+    return s, a, torch.einsum("thj,th->tj", a, w.float())
+
+
+def _torch_fwd(q, w, k, idx, relu):
+    T, H, D = q.shape
+    K = idx.shape[1]
+    out = torch.empty(T, K, dtype=torch.float32, device=q.device)
+    step = _torch_rows(K, D, H)
+    for r0 in range(0, T, step):
+        i = idx[r0:r0 + step].long()
+        _, _, o = _torch_scores(q[r0:r0 + step], w[r0:r0 + step], k.float()[i.clamp(min=0)], relu)
+        out[r0:r0 + step] = o.masked_fill(i < 0, NEG_INF)
+    return out
+
+
+def _torch_bwd(q, w, k, idx, g, relu):
+    T, H, D = q.shape
+    K = idx.shape[1]
+    dq = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
+    dw = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    step = _torch_rows(K, D, H)
+    for r0 in range(0, T, step):
+        sl = slice(r0, r0 + step)
+        i = idx[sl].long()
+        valid = i >= 0
+        k_sel = k.float()[i.clamp(min=0)]  # [R, K, D]
+        s, a, _ = _torch_scores(q[sl], w[sl], k_sel, relu)
+        gc = g[sl].float().masked_fill(~valid, 0.0)  # [R, K]
+        dw[sl] = torch.einsum("thj,tj->th", a, gc)
+        ds = gc[:, None, :] * w[sl].float()[:, :, None]
+        if relu:
+            ds = ds * (s > 0)
+        dq[sl] = torch.einsum("thj,tjd->thd", ds, k_sel)
+        dk_sel = torch.einsum("thj,thd->tjd", ds, q[sl].float())
+        dk.index_add_(0, i[valid], dk_sel[valid])  # sequential on CPU: deterministic
+    return dq, dw, dk
+
+
+# ---------------------------------------------------------------------------------------------
+# autograd + public op
+# ---------------------------------------------------------------------------------------------
+class _SelectedScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, w, k, indices, relu, deterministic):
+        use_triton = _use_triton(q)
+        out = _triton_fwd(q, w, k, indices, relu) if use_triton else _torch_fwd(q, w, k, indices, relu)
+        ctx.save_for_backward(q, w, k, indices)
+        ctx.relu, ctx.deterministic, ctx.use_triton = relu, deterministic, use_triton
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, w, k, indices = ctx.saved_tensors
+        g = g.contiguous().float()
+        if ctx.use_triton:
+            dq, dw, dk = _triton_bwd(q, w, k, indices, g, ctx.relu, ctx.deterministic)
+        else:
+            dq, dw, dk = _torch_bwd(q, w, k, indices, g, ctx.relu)
+        return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None, None
+
+
+def selected_scores(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    indices: torch.Tensor,
+    relu: bool = True,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """Indexer scores at the selected keys, differentiable in q, w and k.
+
+    Args:
+        q: [T, H, D] index queries (fp32 / bf16 / fp16).
+        w: [T, H] head weights (float; may be negative).
+        k: [S, D] index keys, same dtype as q.
+        indices: [T, topk] int32/int64 key rows, -1 = padding (gets -inf and no gradient).
+        relu: apply ReLU to q . k before the head weights (DeepSeek); False = identity (GLM-5).
+        deterministic: reduce the gradient to k in a fixed order (sorted segmented sum) instead
+            of fp32 atomics (the default, faster, not bit-reproducible).
+    Returns:
+        fp32 [T, topk] scores, -inf where indices == -1.
+    """
+    check_tensor("q", q, 3, (torch.float32, torch.bfloat16, torch.float16))
+    T, H, D = q.shape
+    check_tensor("w", w, 2, device=q.device)
+    check_tensor("k", k, 2, (q.dtype,), device=q.device)
+    check_tensor("indices", indices, 2, (torch.int32, torch.int64), device=q.device)
+    check(w.shape == (T, H), f"w must be [{T}, {H}], got {tuple(w.shape)}")
+    check(k.shape[1] == D, f"k must be [S, {D}], got {tuple(k.shape)}")
+    check(indices.shape[0] == T, f"indices must be [{T}, topk], got {tuple(indices.shape)}")
+    if indices.numel():
+        lo, hi = int(indices.min()), int(indices.max())
+        check(lo >= -1 and hi < k.shape[0], f"indices must be in [-1, {k.shape[0]}), got [{lo}, {hi}]")
+    if not _use_triton(q):
+        global _logged_fallback
+        if not _logged_fallback:
+            _logged_fallback = True
+            _log.info("hyscale_kernels: selected_scores on CPU without TRITON_INTERPRET uses the "
+                      "row-chunked PyTorch path")
+    return _SelectedScores.apply(q.contiguous(), w.contiguous(), k.contiguous(), indices.contiguous(),
+                                 relu, deterministic)
