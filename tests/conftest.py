@@ -34,3 +34,22 @@ def megatron_env():
 
     init_single_process()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_global_state():
+    """Stock keeps the indexer-loss tracker (sized by num_layers) and we keep the replay store
+    process-wide: reset both around every test so one test's leftovers cannot leak."""
+    yield
+    try:
+        from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
+
+        DSAIndexerLossLoggingHelper.tracker.clear()
+    except ImportError:
+        pass
+    try:
+        from hyscale_megatron import replay
+
+        replay.get_store().clear(warn=False)
+    except ImportError:
+        pass

@@ -53,11 +53,13 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
+@pytest.mark.parametrize("replay", [False, True], ids=["noreplay", "replay"])
 @pytest.mark.parametrize("recompute", list(RECOMPUTE))
 @pytest.mark.parametrize("loss_stage", ["sparse", "dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_stock_and_hyscale_match(recompute, loss_stage, dtype):
-    stock, ours = _pair(dtype, dsa_indexer_use_sparse_loss=loss_stage == "sparse", **RECOMPUTE[recompute])
+def test_stock_and_hyscale_match(recompute, loss_stage, dtype, replay):
+    stock, ours = _pair(dtype, replay=replay, dsa_indexer_use_sparse_loss=loss_stage == "sparse",
+                        **RECOMPUTE[recompute])
     core = ours.decoder.layers[0].self_attention.core_attention
     assert type(core).__name__ == "HyScaleDSAttention"
     assert type(stock.decoder.layers[0].self_attention.core_attention).__name__ == "DSAttention"
