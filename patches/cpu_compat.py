@@ -3,7 +3,8 @@
 Applied only when ``torch.cuda.is_available()`` is False. Stock calls
 ``torch.cuda.current_device()`` as a device (rotary embeddings, the indexer-loss tracker) and
 saves/restores the CUDA RNG around checkpointed regions; on CPU those become the CPU device and
-the CPU RNG. Nothing changes on a GPU machine.
+the CPU RNG. The pipeline schedules create a token counter with ``device="cuda"``; inside that
+module only, such factories create CPU tensors. Nothing changes on a GPU machine.
 """
 
 from __future__ import annotations
@@ -41,10 +42,35 @@ def _set_rng(_orig):
     return _set_all_rng_states
 
 
+class _CpuTorchProxy:
+    """``torch`` as seen by the pipeline schedules: ``device="cuda"`` tensor factories land on CPU."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor")
+
+    def __init__(self, torch_module):
+        self._torch = torch_module
+
+    def __getattr__(self, name):
+        attr = getattr(self._torch, name)
+        if name in self._FACTORIES:
+            def factory(*args, **kwargs):
+                if str(kwargs.get("device", "")).startswith("cuda"):
+                    kwargs["device"] = "cpu"
+                return attr(*args, **kwargs)
+
+            return factory
+        return attr
+
+
+def _schedules_torch(orig):
+    return _CpuTorchProxy(orig)
+
+
 PATCHES = [
     Patch("cpu-current-device", "torch.cuda", "current_device", _current_device),
     Patch("cpu-rng-get", RANDOM, "_get_all_rng_states", _get_rng),
     Patch("cpu-rng-set", RANDOM, "_set_all_rng_states", _set_rng),
+    Patch("cpu-schedules-device", "megatron.core.pipeline_parallel.schedules", "torch", _schedules_torch),
 ]
 
 
