@@ -1,0 +1,65 @@
+"""Overlays onto ``megatron.training`` used by ``hyscale-train`` (Megatron's ``pretrain`` path).
+
+Each is a :class:`~hyscale_patches._base.Patch` (idempotent, logged once, reversible, failing
+with a message that names the Megatron symbol and the supported version). Needed on every
+machine, GPU included:
+
+* ``skip-compile-helpers``: megatron-core 0.19.2's ``pretrain`` -> ``initialize_megatron`` ->
+    ``_compile_dependencies`` calls ``megatron.core.datasets.utils.compile_helpers()``, which runs
+  ``make`` in the installed package folder. The wheel ships the compiled extension
+  (``helpers_cpp*.so``) but no Makefile, so ``make`` fails and the job ``sys.exit(1)``s. The patch
+  skips the compile when ``megatron.core.datasets.helpers_cpp`` imports and otherwise calls the
+  original (a source checkout with a Makefile still compiles).
+
+The CPU shims the core loop needs (current device, CPU RNG, the schedules' ``device="cuda"``
+token counter) live in ``hyscale_patches.cpu_compat``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+from ._base import Patch
+
+logger = logging.getLogger("hyscale_patches")
+
+DATASET_UTILS = "megatron.core.datasets.utils"
+
+
+def compiled_helpers_available() -> bool:
+    """True when the wheel's compiled dataset helper extension imports."""
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return False
+    return True
+
+
+def _skip_compile_helpers(original):
+    def compile_helpers():
+        if compiled_helpers_available():
+            logger.info("hyscale: megatron.core.datasets.helpers_cpp is prebuilt; skipping compile_helpers() (make)")
+            return None
+        return original()
+
+    compile_helpers.__wrapped__ = original
+    return compile_helpers
+
+
+ALWAYS = [
+    Patch("skip-compile-helpers", DATASET_UTILS, "compile_helpers", _skip_compile_helpers),
+]
+PATCHES = list(ALWAYS)
+
+
+def apply() -> list[str]:
+    """Apply every training overlay (safe to call again). Returns the active patch names."""
+    for p in PATCHES:
+        p.apply()
+    return [p.name for p in PATCHES]
+
+
+def revert() -> None:
+    for p in reversed(PATCHES):
+        p.revert()
