@@ -10,11 +10,19 @@ import pytest
 import torch
 
 from hyscale_kernels.hytopk.reference import selected_scores_reference
+from hyscale_kernels.hytopk import selected_scores as ss_mod
 from hyscale_kernels.hytopk.selected_scores import selected_scores
 
 HAS_CUDA = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERP), reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+@pytest.fixture(autouse=True)
+def _nan_outputs(monkeypatch):
+    """Kernel outputs start as NaN, so any element a kernel fails to write fails the test."""
+    monkeypatch.setattr(ss_mod, "_alloc",
+                        lambda *s, dtype, device: torch.full(s, float("nan"), dtype=dtype, device=device))
 
 
 def _case(T, H, D, S, K, seed=0, dtype=torch.float32, device="cpu", pad=0.3):
@@ -43,6 +51,7 @@ def _compare(T, H, D, S, K, relu, deterministic, seed=0):
     got = _run(selected_scores, q, w, k, idx, g, relu=relu, deterministic=deterministic)
     assert torch.equal(torch.isinf(got[0]), idx < 0)
     for a, b in zip(got, ref):
+        assert not torch.isnan(a).any()
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     return got
 

@@ -69,3 +69,140 @@ def test_reference_matches_stock_unfused():
     out, _ = sparse_mla_reference(q, kv, idx, 0.15, v_dim=V)
     stock = _unfused_absorbed_dsa_fn(q[:, None], kv[:, None, None], idx[None], 0.15, V)  # [T, 1, N, V]
     torch.testing.assert_close(out, stock[:, 0], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels (interpreter on CPU at tiny fp32 shapes; bf16 at real shapes on GPU)
+# ---------------------------------------------------------------------------------------------
+import os  # noqa: E402
+
+from hyscale_kernels.sparse_mla import sparse_mla  # noqa: E402
+from hyscale_kernels.sparse_mla import kernel as sm_kernels  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(not (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
+                                  reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+@pytest.fixture(autouse=True)
+def _nan_outputs(monkeypatch):
+    """Kernel outputs start as NaN, so any element a kernel fails to write fails the test."""
+    monkeypatch.setattr(sm_kernels, "_alloc",
+                        lambda *s, dtype, device: torch.full(s, float("nan"), dtype=dtype, device=device))
+
+
+def _fwd_bwd(fn, q, kv, idx, scale, V, go, gl, **kw):
+    q, kv = q.detach().clone().requires_grad_(), kv.detach().clone().requires_grad_()
+    out, lse = fn(q, kv, idx, scale, v_dim=V, **kw)
+    fin = torch.isfinite(lse)
+    ((out.float() * go).sum() + (lse[fin] * gl[fin]).sum()).backward()
+    return out, lse, q.grad, kv.grad
+
+
+def _kernel_vs_reference(T, N, D, V, S, K, seed=0, deterministic=False, pad_frac=0.3, rtol=1e-4, atol=1e-4):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, N, D, generator=gen)
+    kv = torch.randn(S, D, generator=gen)
+    idx = _causal_indices(T, K, gen, S=S, pad_frac=pad_frac).to(torch.int32)
+    idx[0] = -1  # no valid key: out 0, lse -inf, no gradient
+    idx[1] = -1
+    idx[1, K // 2] = S - T  # exactly one visible key
+    go, gl = torch.randn(T, N, V, generator=gen), torch.randn(T, N, generator=gen)
+    got = _fwd_bwd(sparse_mla, q, kv, idx, 0.25, V, go, gl, deterministic=deterministic)
+    ref = _fwd_bwd(sparse_mla_reference, q, kv, idx, 0.25, V, go, gl)
+    assert torch.equal(got[1][0], torch.full((N,), float("-inf"))) and torch.equal(got[0][0], torch.zeros(N, V))
+    torch.testing.assert_close(got[0][1], kv[S - T, :V].expand(N, V))  # one key: out = its value
+    for a, b in zip(got, ref):
+        assert not torch.isnan(a).any()
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    return got
+
+
+@needs_triton
+@pytest.mark.parametrize("N,K", [(5, 37), (16, 70), (70, 9)])  # heads not a power of two; several k tiles / head blocks
+def test_kernel_matches_reference(N, K):
+    _kernel_vs_reference(T=6, N=N, D=48, V=32, S=80, K=K)
+
+
+@needs_triton
+def test_kernel_deterministic_repeatable():
+    a = _kernel_vs_reference(T=5, N=3, D=40, V=32, S=12, K=9, seed=2, deterministic=True)
+    b = _kernel_vs_reference(T=5, N=3, D=40, V=32, S=12, K=9, seed=2, deterministic=True)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@needs_triton
+def test_kernel_no_rope_part_and_out_only_grad():
+    """v_dim == Dqk (no rope tail) and a loss that uses only ``out`` (dlse is None)."""
+    gen = torch.Generator().manual_seed(4)
+    q, kv = torch.randn(4, 3, 32, generator=gen), torch.randn(9, 32, generator=gen)
+    idx = _causal_indices(4, 5, gen, S=9).int()
+    for fn in (sparse_mla, sparse_mla_reference):
+        a, b = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        fn(a, b, idx, 0.5, v_dim=32)[0].square().sum().backward()
+        if fn is sparse_mla:
+            got = (a.grad, b.grad)
+    torch.testing.assert_close(got, (a.grad, b.grad), rtol=1e-4, atol=1e-4)
+
+
+def test_input_validation():
+    q, kv, idx = torch.randn(3, 2, 24), torch.randn(5, 24), torch.zeros(3, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="indices must be in"):
+        sparse_mla(q, kv, idx + 5, 0.1, v_dim=16)
+    with pytest.raises(ValueError, match="indices must be in"):
+        sparse_mla(q, kv, idx - 2, 0.1, v_dim=16)
+    with pytest.raises(ValueError, match="kv must be"):
+        sparse_mla(q, kv[:, :20], idx, 0.1, v_dim=16)
+    with pytest.raises(TypeError, match="dtype"):
+        sparse_mla(q, kv.double(), idx, 0.1, v_dim=16)
+    with pytest.raises(TypeError, match="dtype"):
+        sparse_mla(q, kv, idx.float(), 0.1, v_dim=16)
+    with pytest.raises(ValueError, match="topk must be"):
+        sparse_mla(q, kv, torch.zeros(3, 4096, dtype=torch.int32), 0.1, v_dim=16)
+    with pytest.raises(ValueError, match="v_dim"):
+        sparse_mla(q, kv, idx, 0.1, v_dim=30)
+    with pytest.raises(ValueError, match=r"indices must be \[3, topk\]"):
+        sparse_mla(q, kv, idx[:2], 0.1, v_dim=16)
+    with pytest.raises(ValueError, match="3-D"):
+        sparse_mla(q[0], kv, idx, 0.1, v_dim=16)
+
+
+def _gpu_case(T, N, S, K, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(T, N, 576, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(S, 576, device="cuda", generator=gen).bfloat16()
+    # causal duplicate-free rows: the top-k of random scores over keys <= S - T + t
+    sc = torch.rand(T, S, device="cuda", generator=gen)
+    vis = torch.arange(S, device="cuda")[None, :] <= (S - T + torch.arange(T, device="cuda"))[:, None]
+    v, i = sc.masked_fill(~vis, -1.0).topk(K, dim=-1)
+    idx = i.masked_fill(v < 0, -1).int()
+    return q, kv, idx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [16, 128, 24])
+@pytest.mark.parametrize("K", [2048, 512, 1000])
+def test_gpu_bf16_matches_reference(N, K):
+    T, S = 1024, 3072
+    q, kv, idx = _gpu_case(T, N, S, K)
+    go = torch.randn(T, N, 512, device="cuda")
+    gl = torch.randn(T, N, device="cuda")
+    got = _fwd_bwd(sparse_mla, q, kv, idx, 576 ** -0.5, 512, go, gl)
+    ref = _fwd_bwd(sparse_mla_reference, q.float(), kv.float(), idx, 576 ** -0.5, 512, go, gl)
+    for name, a, b in zip(("out", "lse", "dq", "dkv"), got, ref):
+        a = a.float()
+        assert not torch.isnan(a).any(), name
+        err = ((a - b).norm() / b.norm().clamp_min(1e-6)).item()
+        assert err < 2e-2, f"{name}: relative L2 error {err}"
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_kv_grad():
+    q, kv, idx = _gpu_case(512, 64, 1024, 512, seed=1)
+    go, gl = torch.randn(512, 64, 512, device="cuda"), torch.zeros(512, 64, device="cuda")
+    a = _fwd_bwd(sparse_mla, q, kv, idx, 0.04, 512, go, gl, deterministic=True)
+    b = _fwd_bwd(sparse_mla, q, kv, idx, 0.04, 512, go, gl, deterministic=True)
+    c = _fwd_bwd(sparse_mla, q, kv, idx, 0.04, 512, go, gl, deterministic=False)
+    assert torch.equal(a[3], b[3]) and torch.equal(a[2], b[2])
+    torch.testing.assert_close(a[3].float(), c[3].float(), rtol=2e-2, atol=2e-2)
