@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create ./.venv (Python 3.12) with hyscale-megatron installed editable plus test extras.
+# Idempotent: a second run only re-installs the project itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+  for cand in "${HYSCALE_PYTHON:-}" python3.12; do
+    [ -n "$cand" ] && command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$cand"; return; }
+  done
+  if command -v pyenv >/dev/null 2>&1; then
+    v=$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | sort -V | tail -n 1)
+    if [ -n "$v" ]; then echo "$(pyenv root)/versions/$v/bin/python3.12"; return; fi
+  fi
+  for p in "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12 /usr/local/bin/python3.12; do
+    [ -x "$p" ] && { echo "$p"; return; }
+  done
+  echo "error: Python 3.12 not found (megatron-core 0.19 needs it); set HYSCALE_PYTHON=/path/to/python3.12" >&2
+  exit 1
+}
+
+if [ ! -x .venv/bin/python ]; then
+  PY=$(find_python)
+  echo "setup: creating .venv with $PY"
+  "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+.venv/bin/python -c "import torch, megatron.core, hyscale_megatron; print('setup: ok, torch', torch.__version__, '| megatron-core', megatron.core.__version__ if hasattr(megatron.core, '__version__') else '?')"
