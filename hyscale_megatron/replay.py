@@ -54,6 +54,7 @@ class _Entry:
     pending: int
     ready: Optional[torch.cuda.Event] = None
     offloaded: bool = False
+    prefetched: Optional[tuple] = None  # (device tensor, event) once copied back ahead of use
 
     @property
     def nbytes(self) -> int:
@@ -146,10 +147,33 @@ class ReplayStore:
                 "(fingerprint mismatch): refusing to serve stale indices")
         data = entry.data
         if entry.offloaded:
-            if entry.ready is not None:
-                torch.cuda.current_stream(entry.device).wait_event(entry.ready)
-            data = data.to(entry.device, non_blocking=True)
+            if entry.prefetched is not None:
+                data, ev = entry.prefetched
+                torch.cuda.current_stream(entry.device).wait_event(ev)
+            else:
+                if entry.ready is not None:
+                    torch.cuda.current_stream(entry.device).wait_event(entry.ready)
+                data = data.to(entry.device, non_blocking=True)
+            # Backward recomputes layers in reverse order: bring the next one back now.
+            self.prefetch((key[0] - 1, key[1]))
         return data.to(entry.dtype)
+
+    def prefetch(self, key: tuple[int, int]) -> bool:
+        """Start copying an offloaded entry back to its device on a side stream."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.offloaded or entry.prefetched is not None:
+            return False
+        stream = self._stream or torch.cuda.Stream(device=entry.device)
+        self._stream = stream
+        with torch.cuda.stream(stream):
+            if entry.ready is not None:
+                stream.wait_event(entry.ready)
+            dev = entry.data.to(entry.device, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        dev.record_stream(torch.cuda.current_stream(entry.device))
+        entry.prefetched = (dev, ev)
+        return True
 
     def _missing(self, key) -> ReplayMismatchError:
         held = sorted(self._entries)[:8]

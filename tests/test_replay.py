@@ -171,3 +171,18 @@ def test_tampered_recompute_inputs_raise():
     with pytest.raises(replay.ReplayMismatchError, match="fingerprint"):
         loss.backward()
     replay.get_store().clear(warn=False)
+
+
+@pytest.mark.gpu
+def test_offloaded_entries_round_trip_on_gpu():
+    store = replay.ReplayStore()
+    idx = torch.randint(0, 70000, (1, 64, 32), device="cuda", dtype=torch.int32)
+    fp = replay.fingerprint(idx.float())
+    for layer in (1, 2):
+        store.put((layer, 0), idx + layer, fp, pending=1, offload=True, sk=70000)
+    assert store.current_bytes == 0 and store.host_bytes == 2 * idx.numel() * 4
+    out2 = store.read((2, 0), fp=fp)  # prefetches (1, 0)
+    assert store._entries[(1, 0)].prefetched is not None
+    out1 = store.read((1, 0), fp=fp)
+    assert torch.equal(out2, idx + 2) and torch.equal(out1, idx + 1) and out1.is_cuda
+    assert len(store) == 0 and store.host_bytes == 0
