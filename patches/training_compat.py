@@ -5,7 +5,7 @@ with a message that names the Megatron symbol and the supported version). Needed
 machine, GPU included:
 
 * ``skip-compile-helpers``: megatron-core 0.19.2's ``pretrain`` -> ``initialize_megatron`` ->
-    ``_compile_dependencies`` calls ``megatron.core.datasets.utils.compile_helpers()``, which runs
+  ``_compile_dependencies`` calls ``megatron.core.datasets.utils.compile_helpers()``, which runs
   ``make`` in the installed package folder. The wheel ships the compiled extension
   (``helpers_cpp*.so``) but no Makefile, so ``make`` fails and the job ``sys.exit(1)``s. The patch
   skips the compile when ``megatron.core.datasets.helpers_cpp`` imports and otherwise calls the
