@@ -40,7 +40,7 @@ def test_stock_dsattention_with_hyscale_backend_matches_default(monkeypatch):
 
     monkeypatch.setattr(stock_backend, "run_fused_qk_topk", counting_topk)
     monkeypatch.setattr(stock_backend, "run_fused_absorbed_sparse_attention", counting_attn)
-    cfg = mla_dsa_config(num_layers=2, seq_length=24, dsa_indexer_loss_coeff=0.0)
+    cfg = mla_dsa_config(num_layers=2, dsa_indexer_loss_coeff=0.0)
     tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(3))
     pos = torch.arange(24).expand(1, 24)
     outs = {}
