@@ -130,7 +130,7 @@ def _selected_scores_bwd_kernel(
             p_buf = dk + ((i_t - row0).to(tl.int64) * K + o_j)[:, None] * D + o_d[None, :]
             tl.store(p_buf, b_dk, mask=(o_j < K)[:, None] & m_d[None, :])
         else:
-            tl.atomic_add(dk + b_idx[:, None] * D + o_d[None, :], b_dk, mask=m_j[:, None] & m_d[None, :])
+            tl.atomic_add(dk + b_idx[:, None] * D + o_d[None, :], b_dk, mask=m_j[:, None] & m_d[None, :], sem="relaxed")
     row = i_t.to(tl.int64)
     tl.store(dq + row * H * D + o_h[:, None] * D + o_d[None, :], b_dq, mask=m_h[:, None] & m_d[None, :])
     tl.store(dw + row * H + o_h, b_dw, mask=m_h)

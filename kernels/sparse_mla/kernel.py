@@ -32,7 +32,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _load_heads(x, i_t, i_h, N: tl.constexpr, STRIDE: tl.constexpr, COL0: tl.constexpr, W: tl.constexpr,
+def _load_heads(x, i_t, i_h, N, STRIDE: tl.constexpr, COL0: tl.constexpr, W: tl.constexpr,
                 BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr):
     """x[t, heads of block i_h, COL0:COL0+W] as [BLOCK_H, BLOCK_W] (zeros outside)."""
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -58,8 +58,8 @@ def _gather_kv(kv, idx, i_t, k0, K: tl.constexpr, DQK: tl.constexpr, V: tl.const
 
 @triton.jit
 def _sparse_mla_fwd_kernel(
-    q, kv, idx, out, lse, scale_log2,
-    N: tl.constexpr, DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
+    q, kv, idx, out, lse, scale_log2, N,
+    DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -95,8 +95,8 @@ def _sparse_mla_fwd_kernel(
 
 @triton.jit
 def _sparse_mla_bwd_kernel(
-    q, kv, idx, do, lse, delta, dq, dkv, row0, scale, scale_log2,
-    N: tl.constexpr, DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
+    q, kv, idx, do, lse, delta, dq, dkv, row0, scale, scale_log2, N,
+    DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr, DETERMINISTIC: tl.constexpr, N_HB: tl.constexpr,
 ):
@@ -133,8 +133,8 @@ def _sparse_mla_bwd_kernel(
             tl.store(dkv + e[:, None] * DQK + V + o_r[None, :], b_dkr, mask=m_e & (o_r[None, :] < R))
         else:
             p_row = dkv + b_idx[:, None] * DQK
-            tl.atomic_add(p_row + o_v[None, :], b_dkv, mask=m_k[:, None] & (o_v[None, :] < V))
-            tl.atomic_add(p_row + V + o_r[None, :], b_dkr, mask=m_k[:, None] & (o_r[None, :] < R))
+            tl.atomic_add(p_row + o_v[None, :], b_dkv, mask=m_k[:, None] & (o_v[None, :] < V), sem="relaxed")
+            tl.atomic_add(p_row + V + o_r[None, :], b_dkr, mask=m_k[:, None] & (o_r[None, :] < R), sem="relaxed")
     tl.store(dq + row[:, None] * DQK + o_v[None, :], b_dqv.to(dq.dtype.element_ty),
              mask=m_h[:, None] & (o_v[None, :] < V))
     tl.store(dq + row[:, None] * DQK + V + o_r[None, :], b_dqr.to(dq.dtype.element_ty),
@@ -179,6 +179,7 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     """Gradients (dq [T, N, Dqk] in q's dtype, dkv fp32 [S, Dqk]) from the saved out / lse."""
     T, N, DQK = q.shape
     S = kv.shape[0]
+    dout = dout.to(q.dtype).contiguous()  # the kernel's dots need one operand dtype
     delta = (out.float() * dout.float()).sum(-1)  # [T, N] = rowsum(dO * O)
     if dlse is not None:  # d lse / d logits = p: folds into the same (dP - delta) term
         delta = delta - dlse.float()

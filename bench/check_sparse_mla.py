@@ -1,0 +1,185 @@
+"""GPU check of the sparse_mla Triton kernels (and selected_scores): bf16 correctness against
+the fp32 reference, then forward / backward time and TFLOP/s at T = 16K, N = 128, topk = 2048.
+
+Runs from a bare checkout: puts the repo root on sys.path and registers ``kernels/`` as the
+package ``hyscale_kernels`` when it is not installed.
+
+    python bench/check_sparse_mla.py [--quick]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _register_kernels():
+    try:
+        import hyscale_kernels  # noqa: F401
+        return
+    except ImportError:
+        pass
+    sys.path.insert(0, ROOT)
+    init = os.path.join(ROOT, "kernels", "__init__.py")
+    spec = importlib.util.spec_from_file_location("hyscale_kernels", init,
+                                                  submodule_search_locations=[os.path.dirname(init)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["hyscale_kernels"] = mod
+    spec.loader.exec_module(mod)
+
+
+_register_kernels()
+
+import torch  # noqa: E402
+
+from hyscale_kernels.hytopk.reference import selected_scores_reference  # noqa: E402
+from hyscale_kernels.hytopk.selected_scores import selected_scores  # noqa: E402
+from hyscale_kernels.sparse_mla import flops, sparse_mla, sparse_mla_reference  # noqa: E402
+from hyscale_kernels.sparse_mla.kernel import sparse_mla_bwd, sparse_mla_fwd  # noqa: E402
+
+def say(*a):
+    msg = " ".join(str(x) for x in a)
+    print(msg, flush=True)
+    if os.environ.get("OUT"):  # written as we go: a timeout still returns what was measured
+        with open(os.path.join(os.environ["OUT"], "check_sparse_mla.txt"), "a") as f:
+            f.write(msg + "\n")
+
+
+def causal_indices(T, S, K, seed=0):
+    """Duplicate-free causal rows (top-k of random scores over keys <= S - T + t), -1 padded."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    idx = torch.empty(T, K, dtype=torch.int32, device="cuda")
+    for r0 in range(0, T, 4096):
+        r1 = min(T, r0 + 4096)
+        sc = torch.rand(r1 - r0, S, device="cuda", generator=g)
+        lim = S - T + torch.arange(r0, r1, device="cuda")
+        sc = sc.masked_fill(torch.arange(S, device="cuda")[None, :] > lim[:, None], -1.0)
+        v, i = sc.topk(K, dim=-1)
+        idx[r0:r1] = i.masked_fill(v < 0, -1).int()
+    return idx
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    fin = torch.isfinite(b)
+    return ((a[fin] - b[fin]).norm() / b[fin].norm().clamp_min(1e-12)).item()
+
+
+def check_sparse_mla(T, S, N, K, deterministic=False):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(T, N, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(S, 576, device="cuda", generator=g).bfloat16()
+    idx = causal_indices(T, S, K)
+    go = torch.randn(T, N, 512, device="cuda", generator=g)
+    gl = torch.randn(T, N, device="cuda", generator=g)
+    res = []
+    for fn, a, b in ((sparse_mla, q, kv), (sparse_mla_reference, q.float(), kv.float())):
+        a, b = a.clone().requires_grad_(), b.clone().requires_grad_()
+        kw = dict(deterministic=deterministic) if fn is sparse_mla else {}
+        out, lse = fn(a, b, idx, 576 ** -0.5, v_dim=512, **kw)
+        fin = torch.isfinite(lse)
+        ((out.float() * go).sum() + (lse[fin] * gl[fin]).sum()).backward()
+        res.append((out, lse, a.grad, b.grad))
+    errs = {n: rel(x, y) for n, x, y in zip(("out", "lse", "dq", "dkv"), *res)}
+    nan = any(torch.isnan(x.float()).any().item() for x in res[0])
+    ok = all(e < 1e-2 for e in errs.values()) and not nan
+    say(f"sparse_mla check T={T} S={S} N={N} K={K} det={deterministic}: "
+        + " ".join(f"{n}={e:.2e}" for n, e in errs.items()) + f" nan={nan} -> {'OK' if ok else 'FAIL'}")
+    return ok
+
+
+def check_selected_scores(T=2048, S=4096, H=64, D=128, K=2048):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(T, H, D, device="cuda", generator=g).bfloat16()
+    w = torch.randn(T, H, device="cuda", generator=g) * (H * D) ** -0.5
+    k = torch.randn(S, D, device="cuda", generator=g).bfloat16()
+    idx = causal_indices(T, S, K, seed=3)
+    gg = torch.randn(T, K, device="cuda", generator=g)
+    for relu in (True, False):
+        res = []
+        for fn, a, b in ((selected_scores, q, k), (selected_scores_reference, q.float(), k.float())):
+            a, wv, b = a.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+            out = fn(a, wv, b, idx, relu=relu)
+            fin = torch.isfinite(out)
+            (out[fin] * gg[fin]).sum().backward()
+            res.append((out, a.grad, wv.grad, b.grad))
+        errs = {n: rel(x, y) for n, x, y in zip(("out", "dq", "dw", "dk"), *res)}
+        say(f"selected_scores check relu={relu}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    t_f = bench(lambda: selected_scores(q, w, k, idx), 10)
+    qq, ww, kk = q.clone().requires_grad_(), w.clone().requires_grad_(), k.clone().requires_grad_()
+    out = selected_scores(qq, ww, kk, idx)
+    t_b = bench(lambda: torch.autograd.grad(out, (qq, ww, kk), gg, retain_graph=True), 10)
+    fl = 2.0 * T * K * H * D
+    say(f"selected_scores T={T} H={H} K={K}: fwd {t_f:.3f} ms ({fl / t_f / 1e9:.0f} TFLOP/s) "
+        f"bwd {t_b:.3f} ms ({2 * fl / t_b / 1e9:.0f} TFLOP/s)")
+
+
+def bench(fn, reps=5):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    return sorted(ts)[len(ts) // 2]
+
+
+def perf(T, S, N, K, fwd_cfgs, bwd_cfgs):
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn(T, N, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(S, 576, device="cuda", generator=g).bfloat16()
+    idx = causal_indices(T, S, K, seed=5)
+    dout = torch.randn(T, N, 512, device="cuda", generator=g).bfloat16()
+    f_fl, b_fl = flops(T, N, K)
+    scale = 576 ** -0.5
+    best = {}
+    for cfg in fwd_cfgs:
+        try:
+            t0 = time.time()
+            ms = bench(lambda: sparse_mla_fwd(q, kv, idx, scale, 512, **cfg))
+            say(f"  fwd T={T} N={N} K={K} {cfg}: {ms:.2f} ms {f_fl / ms / 1e9:.0f} TFLOP/s (wall {time.time() - t0:.0f}s)")
+            best["fwd"] = min(best.get("fwd", 1e9), ms)
+        except Exception as ex:  # noqa: BLE001
+            say(f"  fwd {cfg}: failed {type(ex).__name__}: {str(ex)[:200]}")
+    out, lse = sparse_mla_fwd(q, kv, idx, scale, 512)
+    for cfg in bwd_cfgs:
+        try:
+            t0 = time.time()
+            ms = bench(lambda: sparse_mla_bwd(q, kv, idx, out, lse, dout, None, scale, 512, **cfg), 3)
+            say(f"  bwd T={T} N={N} K={K} {cfg}: {ms:.2f} ms {b_fl / ms / 1e9:.0f} TFLOP/s (wall {time.time() - t0:.0f}s)")
+            best["bwd"] = min(best.get("bwd", 1e9), ms)
+        except Exception as ex:  # noqa: BLE001
+            say(f"  bwd {cfg}: failed {type(ex).__name__}: {str(ex)[:200]}")
+    return best
+
+
+def main():
+    quick = "--quick" in sys.argv
+    say("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
+    ok = check_sparse_mla(2048, 4096, 128, 2048)
+    ok &= check_sparse_mla(1024, 2048, 24, 1000, deterministic=True)
+    check_selected_scores()
+    fwd_cfgs = [dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
+                dict(block_h=64, block_k=32, num_warps=8, num_stages=2),
+                dict(block_h=128, block_k=32, num_warps=16, num_stages=2)]
+    bwd_cfgs = [dict(block_h=32, block_k=32, num_warps=8, num_stages=1),
+                dict(block_h=64, block_k=32, num_warps=8, num_stages=1),
+                dict(block_h=64, block_k=32, num_warps=16, num_stages=1)]
+    if quick:
+        fwd_cfgs, bwd_cfgs = fwd_cfgs[:1], bwd_cfgs[:1]
+    say("perf (FLOPs counted on all topk slots, 2 per MAC):")
+    perf(16384, 16384, 128, 2048, fwd_cfgs, bwd_cfgs)
+    perf(16384, 16384, 16, 2048, [{}], [{}])
+    say("ALL CHECKS OK" if ok else "SOME CHECKS FAILED")
+
+
+if __name__ == "__main__":
+    main()
