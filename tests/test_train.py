@@ -1,0 +1,139 @@
+"""hyscale-train on CPU: argument handling, the pretrain adapter pieces, and the core loop."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyscale_megatron import train
+
+pytestmark = pytest.mark.usefixtures("megatron_env")
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = f"@{ROOT / 'configs' / 'tiny_cpu.args'}"
+FAST = ["--seq-length", "128", "--max-position-embeddings", "128"]
+
+
+@pytest.fixture(autouse=True)
+def _unset_megatron_globals():
+    yield
+    from megatron.training import global_vars
+
+    global_vars.unset_global_variables()
+
+
+def test_expand_arg_files(tmp_path):
+    inner = tmp_path / "inner.args"
+    inner.write_text("--b 2  # comment\n--name 'two words'\n")
+    outer = tmp_path / "outer.args"
+    outer.write_text(f"# model\n--a 1\n@{inner}\n")
+    assert train.expand_arg_files(["--x", f"@{outer}", "--y"]) == ["--x", "--a", "1", "--b", "2", "--name",
+                                                                  "two words", "--y"]
+    with pytest.raises(train.TrainConfigError, match="does not exist"):
+        train.expand_arg_files(["@/nonexistent/file.args"])
+
+
+@pytest.mark.parametrize("flags,spec,run", [
+    (["--hyscale"], "hyscale_block_spec", "hyscale"),
+    (["--no-hyscale"], "stock_block_spec", "stock"),
+    ([], "hyscale_block_spec", "hyscale"),
+    (["--spec", "hyscale_megatron.specs", "stock_block_spec"], "stock_block_spec", "stock"),
+])
+def test_parse_chooses_spec(flags, spec, run):
+    args = train.parse_train_args([TINY, *flags])
+    assert args.spec == ["hyscale_megatron.specs", spec]
+    assert args.hyscale_run_name == run
+    assert args.mock_data and args.experimental_attention_variant == "dsa"
+    assert train.choose_backend(args) == ("pretrain" if torch.cuda.is_available() else "core-loop")
+
+
+def test_lr_schedule():
+    class A:
+        lr, min_lr, lr_warmup_iters, lr_decay_iters, train_iters, lr_decay_style = 1.0, 0.1, 2, None, 12, "cosine"
+
+    a = A()
+    assert train._lr_at(a, 1) == pytest.approx(0.5)
+    assert train._lr_at(a, 2) == pytest.approx(1.0)
+    assert train._lr_at(a, 12) == pytest.approx(0.1)
+    a.lr_decay_style = "constant"
+    assert train._lr_at(a, 7) == 1.0
+
+
+def test_pretrain_adapter_pieces_on_cpu(monkeypatch):
+    """run_pretrain hands Megatron's pretrain a config whose GPTModelBuilder builds our spec, and the
+    dataset provider / forward_step it receives produce a finite loss (pretrain itself needs CUDA)."""
+    import megatron.training
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from hyscale_megatron import runtime
+
+    args = train.parse_train_args([TINY, *FAST, "--hyscale", "--no-hyscale-replay"])
+    captured = {}
+
+    def fake_pretrain(cfg, datasets_provider, model_type, forward_step_func, **kw):
+        captured.update(cfg=cfg, datasets=datasets_provider, forward=forward_step_func)
+
+    monkeypatch.setattr(megatron.training, "pretrain", fake_pretrain)
+    train.run_pretrain(args)
+    assert runtime.current_config().replay is False, "flags must reach runtime.set_config before the build"
+    cfg = captured["cfg"]
+    model = cfg.model.get_builder_cls()(cfg.model).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    assert train.core_attention_kinds(model) == {"HyScaleDSAttention": 2}
+    assert captured["datasets"].is_distributed
+    train_ds, _, _ = captured["datasets"]([2, 0, 0])
+    sample = train_ds[0]
+    assert sample["tokens"].shape == (128,)
+    batch = iter([{k: v.unsqueeze(0) for k, v in sample.items()}])
+    output, loss_fn = captured["forward"](batch, model)
+    loss, n, report = loss_fn(output)
+    assert math.isfinite(loss.item()) and int(n) == 128 and report["lm loss"].shape == (2,)
+
+
+def test_metrics_train_step_wrapper(tmp_path):
+    args = train.parse_train_args([TINY, *FAST, "--hyscale-metrics-file", str(tmp_path / "m.jsonl")])
+
+    def fake_train_step(*a, **k):
+        return ({"lm loss": torch.tensor(2.5)}, False, False, False, 0, 1.0, None)
+
+    wrapped = train._metrics_train_step(fake_train_step, args)
+    out = wrapped()
+    assert out[0]["lm loss"].item() == 2.5
+    rec = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
+    assert rec["run"] == "hyscale" and rec["lm_loss"] == 2.5 and rec["step_ms"] > 0 and rec["peak_mem_bytes"] > 0
+
+
+def _core(flags, tmp_path, name):
+    args = train.parse_train_args([TINY, *FAST, "--train-iters", "4", *flags,
+                                   "--hyscale-metrics-file", str(tmp_path / f"{name}.jsonl")])
+    return train.run_core_loop(args)
+
+
+def test_core_loop_stock_and_hyscale_train_alike(tmp_path, capsys):
+    stock = _core(["--no-hyscale"], tmp_path, "stock")
+    ours = _core(["--hyscale"], tmp_path, "hyscale")
+    log = capsys.readouterr().out
+    assert "DSA cores {'DSAttention': 2}" in log and "DSA cores {'HyScaleDSAttention': 2}" in log
+    assert log.count("| lm loss:") == 8 and "| indexer loss:" in log and "elapsed time per iteration (ms)" in log
+    for recs in (stock, ours):
+        assert len(recs) == 4
+        losses = [r["lm_loss"] for r in recs]
+        assert all(math.isfinite(v) for v in losses)
+        assert losses[-1] < losses[0], f"loss did not decrease: {losses}"
+        assert all(r["indexer_loss"] is not None and math.isfinite(r["indexer_loss"]) for r in recs)
+        assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_bytes"] > 0 for r in recs)
+    for s, h in zip(stock, ours):
+        assert abs(h["lm_loss"] - s["lm_loss"]) <= 1e-4 * abs(s["lm_loss"]), (s["lm_loss"], h["lm_loss"])
+    # full recompute in the tiny config: HyScale replays the selection, stock has no store
+    assert any((r["replay_store_bytes"] or 0) > 0 for r in ours)
+    rows = [json.loads(x) for x in (tmp_path / "hyscale.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4] and rows[0]["run"] == "hyscale"
+
+
+def test_core_loop_refuses_tied_embeddings_with_pp():
+    args = train.parse_train_args([TINY, *FAST])
+    args.pipeline_model_parallel_size = 2
+    args.untie_embeddings_and_output_weights = False
+    with pytest.raises(train.TrainConfigError, match="untie-embeddings"):
+        train._check_core_loop_args(args)

@@ -1,0 +1,72 @@
+"""patches/training_compat.py: apply-twice safety, logging once, behaviour, clear failure on a missing symbol."""
+
+import logging
+
+import pytest
+
+from hyscale_patches import training_compat
+from hyscale_patches._base import MegatronPatchError, Patch
+
+
+@pytest.fixture
+def clean_patches():
+    training_compat.revert()
+    yield
+    training_compat.revert()
+
+
+def test_apply_twice_is_safe_and_logs_once(clean_patches, caplog):
+    from megatron.core.datasets import utils
+
+    original = utils.compile_helpers
+    with caplog.at_level(logging.INFO, logger="hyscale_patches"):
+        assert training_compat.apply() == ["skip-compile-helpers"]
+        first = utils.compile_helpers
+        training_compat.apply()
+        assert utils.compile_helpers is first, "second apply must not wrap again"
+        assert first.__wrapped__ is original
+    assert sum("compile_helpers" in r.getMessage() and "patched" in r.getMessage() for r in caplog.records) == 1
+    training_compat.revert()
+    assert utils.compile_helpers is original
+    training_compat.revert()  # reverting twice is harmless too
+    assert utils.compile_helpers is original
+
+
+def test_skip_compile_helpers_does_not_run_make(clean_patches, monkeypatch):
+    import subprocess
+
+    from megatron.core.datasets import utils
+
+    assert training_compat.compiled_helpers_available(), "the megatron-core wheel ships helpers_cpp"
+
+    def no_make(*a, **k):
+        raise AssertionError("compile_helpers ran make")
+
+    monkeypatch.setattr(subprocess, "run", no_make)
+    training_compat.apply()
+    assert utils.compile_helpers() is None
+    # what pretrain's _compile_dependencies imports at call time is the patched function
+    from megatron.core.datasets.utils import compile_helpers
+
+    assert compile_helpers is utils.compile_helpers
+
+
+def test_falls_back_to_original_without_prebuilt_helpers(clean_patches, monkeypatch):
+    from megatron.core.datasets import utils
+
+    calls = []
+    monkeypatch.setattr(utils, "compile_helpers", lambda: calls.append("make"))
+    monkeypatch.setattr(training_compat, "compiled_helpers_available", lambda: False)
+    training_compat.apply()
+    utils.compile_helpers()
+    assert calls == ["make"]
+    training_compat.revert()
+
+
+def test_missing_symbol_names_symbol_and_version():
+    p = Patch("probe", training_compat.DATASET_UTILS, "compile_helpers_renamed", lambda o: o)
+    with pytest.raises(MegatronPatchError) as exc:
+        p.apply()
+    msg = str(exc.value)
+    assert "megatron.core.datasets.utils.compile_helpers_renamed" in msg
+    assert "0.19.2" in msg and "installed" in msg
