@@ -1,0 +1,247 @@
+"""Triton kernel: indexer scores tile by tile with each query row's exact top-k kept on the fly.
+
+One persistent program owns ``R`` query rows at a time (a "row block") for the whole key loop:
+
+* scoring: per key tile, ``acc[BLOCK_N, R*H] = K_tile @ Q_block^T`` on the tensor cores (keys
+  are the MMA's M side, so the head sum is a reduction along the accumulator's columns, which
+  stays inside a thread and its quad), then ``relu``, the head weight and the head sum give
+  ``sc[BLOCK_N, R]``;
+* selection: scores become order-preserving int32 keys; a key enters its row's candidate buffer
+  (global scratch, ``CAP`` >= topk + BLOCK_N slots per row, reused by the next row block) only
+  if it beats the row's running threshold. Keys are visited in ascending index order, so a
+  later key that *ties* the threshold loses to the ``topk`` earlier ones: the test is strict.
+  Positions come from a prefix sum, so the buffer stays in ascending key-index order;
+* compaction: when a tile could overflow a row's buffer, an exact radix select (32 one-bit
+  counting passes over the buffer held in registers) finds each full row's k-th key; the row
+  keeps exactly ``topk`` entries (ties to the lowest index) and the threshold rises to it;
+* output: the same select writes the final ``topk`` (ascending key index, -1 padded).
+
+Nothing of size [rows, S] is ever stored: scratch is O(programs * R * CAP).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+INT32_MIN = tl.constexpr(-2147483648)
+
+
+@triton.jit
+def _score_to_key(sc):
+    """fp32 -> int32 key with the same order (-0.0 folded onto +0.0 so the two tie)."""
+    sc = tl.where(sc == 0.0, 0.0, sc)
+    bits = sc.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_to_score(key):
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _count_ge(key_rows, cnt, bound, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
+    """Per row: how many of its cnt buffered keys are >= bound[r]. [R] int32."""
+    c_acc = tl.zeros([R, CHUNK], dtype=tl.int32)  # [R, CHUNK] partial counts
+    for i_c in range(0, CAP, CHUNK):
+        o_cc = i_c + o_h  # [CHUNK]
+        m_v = o_cc[None, :] < cnt[:, None]  # [R, CHUNK]
+        b_k = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=INT32_MIN)  # [R, CHUNK]
+        c_acc += (b_k >= bound[:, None]).to(tl.int32)
+    return tl.sum(c_acc, axis=1)
+
+
+@triton.jit
+def _kth_key(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
+    """Exact kk-th largest buffered key of each row [R] (INT32_MIN where a row has < kk keys).
+
+    Radix select one bit at a time from the top, in the biased (unsigned-order) domain: keep the
+    largest prefix with at least kk keys >= it. Padding (INT32_MIN) never counts: every
+    candidate bound is above it.
+    """
+    c = _count_ge(key_rows, cnt, tl.zeros_like(cnt), o_h, R, CAP, CHUNK)  # bit 31: keys >= 0
+    pre = tl.where(c >= kk, INT32_MIN, 0)  # [R] biased prefix
+    for i_b in range(30, -1, -1):
+        cand = pre | (1 << i_b)  # [R]
+        c = _count_ge(key_rows, cnt, cand ^ INT32_MIN, o_h, R, CAP, CHUNK)
+        pre = tl.where(c >= kk, cand, pre)
+    return pre ^ INT32_MIN
+
+
+@triton.jit
+def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
+                  FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """Keep each row's exact top-kk of its buffer (all of it where cnt <= kk), stably.
+
+    key_rows/idx_rows: [R] pointers to the rows' buffers. dst_*: [R] row pointers of the
+    destination: the buffer itself when compacting in place, the output rows when FINAL (keys
+    become fp32 scores there). Returns the kk-th key [R] (INT32_MIN where nothing was dropped).
+    """
+    o_h = tl.arange(0, CHUNK)
+    need = cnt > kk  # [R]
+    kth = tl.full([R], INT32_MIN, dtype=tl.int32)
+    n_eq = tl.full([R], CAP, dtype=tl.int32)  # keys equal to kth still to keep
+    if tl.max(cnt, axis=0) > kk:
+        kth = tl.where(need, _kth_key(key_rows, cnt, kk, o_h, R, CAP, CHUNK), INT32_MIN)
+        n_gt = _count_ge(key_rows, cnt, kth + 1, o_h, R, CAP, CHUNK)  # kth < INT32_MAX always
+        n_eq = tl.where(need, kk - n_gt, CAP)
+    # stable rewrite, chunk by chunk: an entry only moves down, past chunks already read
+    base = tl.zeros_like(cnt)  # [R] kept so far
+    eq_seen = tl.zeros_like(cnt)  # [R] entries equal to kth seen so far
+    for i_c in range(0, CAP, CHUNK):
+        o_cc = i_c + o_h  # [CHUNK]
+        m_v = o_cc[None, :] < cnt[:, None]  # [R, CHUNK]
+        b_k = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=INT32_MIN)  # [R, CHUNK]
+        b_i = tl.load(idx_rows[:, None] + o_cc[None, :], mask=m_v, other=-1)  # [R, CHUNK]
+        m_eq = (b_k == kth[:, None]) & m_v
+        r_eq = eq_seen[:, None] + tl.cumsum(m_eq.to(tl.int32), axis=1)  # [R, CHUNK] 1-based rank
+        m_keep = m_v & ((b_k > kth[:, None]) | (m_eq & (r_eq <= n_eq[:, None])))
+        pos = base[:, None] + tl.cumsum(m_keep.to(tl.int32), axis=1) - 1  # [R, CHUNK]
+        tl.debug_barrier()  # whole chunk read before any of it is overwritten (in place)
+        m_st = m_keep & m_rows[:, None]
+        if FINAL:
+            tl.store(dst_idx[:, None] + pos, b_i, mask=m_st)
+            if WRITE_SCORES:
+                tl.store(dst_key[:, None] + pos, _key_to_score(b_k), mask=m_st)
+        else:
+            m_st = m_st & need[:, None]  # rows that keep everything stay where they are
+            tl.store(dst_key[:, None] + pos, b_k, mask=m_st)
+            tl.store(dst_idx[:, None] + pos, b_i, mask=m_st)
+        base += tl.sum(m_keep.to(tl.int32), axis=1)
+        eq_seen += tl.sum(m_eq.to(tl.int32), axis=1)
+    tl.debug_barrier()  # compacted buffer visible to every thread before the next appends
+    return kth
+
+
+@triton.jit
+def _row_block_scores(b_k, b_qT, b_w, H: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+                      RELU: tl.constexpr, IEEE: tl.constexpr):
+    """Scores of one key tile for the block's rows: sc[BLOCK_N, R] fp32."""
+    if IEEE:
+        acc = tl.dot(b_k, b_qT, input_precision="ieee")  # [BLOCK_N, R*H]
+    else:
+        acc = tl.dot(b_k, b_qT)  # [BLOCK_N, R*H]
+    if RELU:
+        acc = tl.maximum(acc, 0.0)
+    acc = acc * b_w[None, :]
+    return tl.sum(tl.reshape(acc, [BLOCK_N, R, H]), axis=2)  # [BLOCK_N, R]
+
+
+@triton.jit
+def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows,
+              o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+              RELU: tl.constexpr, SELECT: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile: score it and append each row's new candidates (the caller made room)."""
+    o_s = lo + i_n * BLOCK_N + o_n  # [BLOCK_N] key indices
+    m_s = o_s < hi
+    b_k = tl.load(k_ptr + o_s.to(tl.int64)[:, None] * D + o_d[None, :],
+                  mask=m_s[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
+    sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE)  # [BLOCK_N, R]
+    m_vis = (o_s[:, None] >= b_start[None, :]) & (o_s[:, None] < b_end[None, :])  # [BLOCK_N, R]
+    if SELECT:
+        key = tl.where(m_vis, _score_to_key(sc), INT32_MIN)  # [BLOCK_N, R]
+        m_c = key > thr[None, :]  # strict: a later key that ties the threshold loses
+        pos = cnt[None, :] + tl.cumsum(m_c.to(tl.int32), axis=0) - 1  # [BLOCK_N, R]
+        tl.store(key_rows[None, :] + pos, key, mask=m_c)
+        tl.store(idx_rows[None, :] + pos, o_s[:, None] + tl.zeros_like(pos), mask=m_c)
+        cnt += tl.sum(m_c.to(tl.int32), axis=0)
+    else:
+        b_max = tl.maximum(b_max, tl.max(tl.where(m_vis, sc, float("-inf")), axis=0))
+    return cnt, thr, b_max
+
+
+@triton.jit
+def hytopk_kernel(
+    q_ptr, w_ptr, k_ptr, starts_ptr, ends_ptr,  # q [T,H,D], w [T,H], k [S,D], bounds int32 [T]
+    out_idx_ptr, out_val_ptr,  # SELECT: [T, topk] int32 / fp32 (WRITE_SCORES); floor: out_val [T] row max
+    buf_key_ptr, buf_idx_ptr,  # scratch int32 [programs, R, CAP]
+    T, S, kk, n_blocks, n_p,  # n_p: programs in the (persistent) grid
+    H: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, R: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr,
+    RELU: tl.constexpr, SELECT: tl.constexpr, WRITE_SCORES: tl.constexpr, IEEE: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    RH: tl.constexpr = R * H
+    o_d = tl.arange(0, D_P2)  # [D_P2]
+    m_d = o_d < D
+    o_rh = tl.arange(0, RH)  # [RH]
+    o_r = tl.arange(0, R)  # [R]
+    o_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    # this program's scratch rows, reused for every row block it owns
+    key_rows = buf_key_ptr + (i_p * R + o_r).to(tl.int64) * CAP  # [R] row pointers
+    idx_rows = buf_idx_ptr + (i_p * R + o_r).to(tl.int64) * CAP  # [R]
+
+    # row blocks in descending order: with causal bounds the costliest first, for balance
+    i_w = i_p
+    while i_w < n_blocks:
+        i_blk = n_blocks - 1 - i_w
+        o_t = i_blk * R + o_r  # [R] query rows
+        m_t = o_t < T
+        b_start = tl.load(starts_ptr + o_t, mask=m_t, other=0)  # [R]
+        b_end = tl.load(ends_ptr + o_t, mask=m_t, other=0)  # [R]
+        m_live = b_end > b_start
+        lo = tl.min(tl.where(m_live, b_start, S), axis=0)
+        hi = tl.max(tl.where(m_live, b_end, 0), axis=0)
+        n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+
+        o_m = i_blk * RH + o_rh  # [RH] flattened (row, head)
+        m_m = o_m < T * H
+        b_q = tl.load(q_ptr + o_m.to(tl.int64)[:, None] * D + o_d[None, :],
+                      mask=m_m[:, None] & m_d[None, :], other=0.0)  # [RH, D_P2]
+        b_qT = tl.trans(b_q)  # [D_P2, RH]
+        b_w = tl.load(w_ptr + o_m, mask=m_m, other=0.0).to(tl.float32)  # [RH]
+
+        cnt = tl.zeros([R], dtype=tl.int32)  # candidates held per row
+        thr = tl.full([R], INT32_MIN, dtype=tl.int32)  # running threshold key per row
+        b_max = tl.full([R], float("-inf"), dtype=tl.float32)  # floor mode only
+        i_n = 0
+        while i_n < n_tiles:
+            # a segment of tiles that cannot overflow any row's buffer: the tile loop itself
+            # stays free of branches and barriers, so it software-pipelines
+            n_seg = n_tiles - i_n
+            if SELECT:
+                if CAP - tl.max(cnt, axis=0) < MIN_FREE:
+                    tl.debug_barrier()  # appends of earlier tiles visible to all threads
+                    kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
+                                        False, False, R, CAP, CHUNK)
+                    thr = tl.maximum(thr, kth)
+                    cnt = tl.minimum(cnt, kk)
+                n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
+            if WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
+                i_e = i_n + n_seg
+                while i_n < i_e:
+                    cnt, thr, b_max = _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr,
+                                                b_max, key_rows, idx_rows, o_n, o_d, m_d,
+                                                H, D, R, BLOCK_N, RELU, SELECT, IEEE)
+                    i_n += 1
+            else:
+                for i_j in range(i_n, i_n + n_seg):
+                    cnt, thr, b_max = _key_tile(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr,
+                                                b_max, key_rows, idx_rows, o_n, o_d, m_d,
+                                                H, D, R, BLOCK_N, RELU, SELECT, IEEE)
+                i_n += n_seg
+
+        if SELECT:
+            tl.debug_barrier()
+            o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
+            _select_store(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
+                          True, WRITE_SCORES, R, CAP, CHUNK)
+            # -1 / -inf padding after the kept entries
+            n_keep = tl.minimum(cnt, kk)  # [R]
+            o_h = tl.arange(0, CHUNK)
+            for i_c in range(0, CAP, CHUNK):
+                o_cc = i_c + o_h  # [CHUNK]
+                m_pad = (o_cc[None, :] >= n_keep[:, None]) & (o_cc[None, :] < kk) & m_t[:, None]
+                tl.store(out_idx_ptr + o_out[:, None] + o_cc[None, :], tl.full([R, CHUNK], -1, tl.int32),
+                         mask=m_pad)
+                if WRITE_SCORES:
+                    tl.store(out_val_ptr + o_out[:, None] + o_cc[None, :],
+                             tl.full([R, CHUNK], float("-inf"), tl.float32), mask=m_pad)
+            tl.debug_barrier()  # the next row block reuses the scratch
+        else:
+            tl.store(out_val_ptr + o_t, b_max, mask=m_t)
+        i_w += n_p

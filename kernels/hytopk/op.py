@@ -1,0 +1,202 @@
+"""Public HyTopK op: input checks, configuration and dispatch (Triton kernel or reference)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from .._common import check, check_tensor
+from . import _kernel
+from .reference import hytopk_reference
+
+_log = logging.getLogger("hyscale_kernels")
+
+MAX_TOPK = 2048
+_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+_IMPLS = ("auto", "triton", "reference")
+_logged_reference = False
+
+
+def interpreter_active() -> bool:
+    """True when the Triton kernel was defined under TRITON_INTERPRET=1 (runs on CPU tensors)."""
+    return type(_kernel.hytopk_kernel).__name__ == "InterpretedFunction"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch shape. rows_x_heads = R * H query-head rows per MMA (the MMA's N side)."""
+
+    block_n: int = 64  # keys per tile (MMA M side)
+    rows_x_heads: int = 256
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 2
+    cap_mult: int = 2  # candidate slots per row = cap_mult * topk (power of two, >= topk + 2*min free)
+    min_free_tiles: int = 4  # compact a row block's buffers when fewer free slots than this many tiles
+    sel_chunk: int = 2048  # R * CHUNK elements per step of the select
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def default_config(H: int, topk: int, interpret: bool = False) -> Config:
+    if interpret:
+        return Config(block_n=16, rows_x_heads=2 * H, num_warps=1, num_stages=1, programs_per_sm=1,
+                      min_free_tiles=1, sel_chunk=64)
+    return Config()
+
+
+def _geometry(H: int, D: int, topk: int, cfg: Config):
+    """(R, CAP, CHUNK, MIN_FREE, D_P2): rows per program, slots per row, select chunk, free floor."""
+    min_free = cfg.min_free_tiles * cfg.block_n
+    cap = _pow2_ceil(max(cfg.cap_mult * topk, topk + 2 * min_free))
+    R = max(1, cfg.rows_x_heads // H)
+    R = 1 << (R.bit_length() - 1)  # power of two
+    chunk = max(1, min(cap, cfg.sel_chunk // R))
+    return R, cap, chunk, min_free, _pow2_ceil(max(D, 16))
+
+
+def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, config: Config | None = None):
+    """Run the Triton kernel. select=False runs the no-selection floor (returns the row max)."""
+    T, H, D = q.shape
+    S = k.shape[0]
+    interp = interpreter_active()
+    cfg = config or default_config(H, topk, interp)
+    R, cap, chunk, min_free, d_p2 = _geometry(H, D, topk, cfg)
+    n_blocks = triton_cdiv(T, R)
+    if interp or not q.is_cuda:
+        n_prog = min(n_blocks, 3)
+    else:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        n_prog = min(n_blocks, sms * cfg.programs_per_sm)
+    n_prog = max(1, n_prog)
+    dev = q.device
+    if select:
+        out_idx = torch.empty((T, topk), dtype=torch.int32, device=dev)
+        out_val = (torch.empty((T, topk), dtype=torch.float32, device=dev) if return_scores
+                   else torch.empty((1,), dtype=torch.float32, device=dev))
+        scratch = torch.empty((2, n_prog, R, cap), dtype=torch.int32, device=dev)
+    else:
+        out_idx = torch.empty((1,), dtype=torch.int32, device=dev)
+        out_val = torch.empty((T,), dtype=torch.float32, device=dev)
+        scratch = torch.empty((2, 1, 1, 1), dtype=torch.int32, device=dev)
+    if T == 0:
+        return (out_idx, out_val) if (return_scores or not select) else out_idx
+    _kernel.hytopk_kernel[(n_prog,)](
+        q, w, k, starts, ends, out_idx, out_val, scratch[0], scratch[1],
+        T, S, topk, n_blocks, n_prog,
+        H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
+        RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(select and return_scores),
+        IEEE=q.dtype == torch.float32, WHILE_LOOPS=interp,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not select:
+        return out_val
+    return (out_idx, out_val) if return_scores else out_idx
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _validate(q, w, k, starts, ends, topk, impl, check_bounds):
+    check_tensor("q", q, ndim=3, dtypes=_FLOAT)
+    dev = q.device
+    check_tensor("w", w, ndim=2, dtypes=_FLOAT, device=dev)
+    check_tensor("k", k, ndim=2, dtypes=_FLOAT, device=dev)
+    check_tensor("starts", starts, ndim=1, dtypes=(torch.int32,), device=dev)
+    check_tensor("ends", ends, ndim=1, dtypes=(torch.int32,), device=dev)
+    T, H, D = q.shape
+    S = k.shape[0]
+    if k.dtype != q.dtype:
+        raise TypeError(f"k must have the dtype of q ({q.dtype}), got {k.dtype}")
+    check(tuple(w.shape) == (T, H), f"w must have shape [T, H_I] = {[T, H]}, got {list(w.shape)}")
+    check(k.shape[1] == D, f"k must have shape [S, D_I] with D_I = {D} (from q), got {list(k.shape)}")
+    check(tuple(starts.shape) == (T,), f"starts must have shape [T] = [{T}], got {list(starts.shape)}")
+    check(tuple(ends.shape) == (T,), f"ends must have shape [T] = [{T}], got {list(ends.shape)}")
+    check(H >= 1 and H <= 128 and (H & (H - 1)) == 0, f"H_I (q.shape[1]) must be a power of two <= 128, got {H}")
+    check(D % 16 == 0 and 16 <= D <= 256, f"D_I must be a multiple of 16 in [16, 256], got {D}")
+    if isinstance(topk, bool) or not isinstance(topk, int):
+        raise TypeError(f"topk must be an int, got {type(topk).__name__}")
+    check(1 <= topk <= MAX_TOPK, f"topk must be in [1, {MAX_TOPK}], got {topk}")
+    check(impl in _IMPLS, f"impl must be one of {_IMPLS}, got {impl!r}")
+    for name, t in (("q", q), ("w", w), ("k", k), ("starts", starts), ("ends", ends)):
+        check(t.is_contiguous(), f"{name} must be contiguous (call .contiguous() first)")
+    check(S < 2**31 - 1 and T * max(topk, H) < 2**31, "T or S too large for int32 indexing")
+    if check_bounds and T > 0:
+        lo = torch.stack([starts.min(), (ends - starts).min(), -ends.max()]).tolist()
+        check(lo[0] >= 0, f"starts must be >= 0, got min {lo[0]}")
+        check(-lo[2] <= S, f"ends must be <= S = {S}, got max {-lo[2]}")
+        check(lo[1] >= 0, "starts must be <= ends for every row (found starts > ends)")
+
+
+def hytopk(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    topk: int,
+    relu: bool = True,
+    return_scores: bool = False,
+    *,
+    impl: str = "auto",
+    check_bounds: bool = True,
+    config: Config | None = None,
+):
+    """Exact top-k of the lightning-indexer scores, never materializing the score table.
+
+    Scores: ``I[t, s] = sum_h w[t, h] * act(q[t, h, :] . k[s, :])``, act = ReLU if ``relu`` else
+    identity, accumulated in fp32. Row t keeps the ``topk`` best keys among
+    ``starts[t] <= s < ends[t]`` under the canonical order (score descending, then key index
+    ascending); rows with fewer visible keys are padded with -1. Deterministic.
+
+    Args:
+        q: [T, H_I, D_I] bf16 / fp16 / fp32, contiguous. H_I a power of two <= 128 (4..64 in
+            practice), D_I a multiple of 16 <= 256 (128 in practice).
+        w: [T, H_I] head weights, bf16 / fp16 / fp32 (used in fp32), contiguous.
+        k: [S, D_I] index keys, same dtype as q, contiguous.
+        starts, ends: int32 [T], 0 <= starts[t] <= ends[t] <= S: causal, packed/varlen and
+            context-parallel query rows are all expressed this way. starts == ends masks a row.
+        topk: 1..2048. topk > S or > a row's visible keys is fine (-1 padding).
+        relu: ReLU (DeepSeek) or identity (GLM-5 style; scores may be negative).
+        return_scores: also return the selected scores.
+        impl: "auto" (CUDA tensors -> Triton; CPU tensors -> Triton interpreter when
+            TRITON_INTERPRET=1 was set before the kernel was imported, else the PyTorch
+            reference), "triton" or "reference".
+        check_bounds: validate starts/ends against [0, S] (one small device sync).
+        config: launch-shape override (benchmarks).
+
+    Returns:
+        indices int32 [T, topk]; with ``return_scores`` also scores fp32 [T, topk] (-inf where
+        padded). Order within a row: the Triton path returns the selected keys in ascending key
+        index, then the -1 padding; the reference path returns canonical order (score desc).
+        Compare as sets.
+    """
+    _validate(q, w, k, starts, ends, topk, impl, check_bounds)
+    use_triton = impl == "triton" or (impl == "auto" and (q.is_cuda or interpreter_active()))
+    if use_triton:
+        if not q.is_cuda and not interpreter_active():
+            raise RuntimeError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 set before "
+                               "hyscale_kernels.hytopk (and triton) were imported")
+        return _launch(q, w, k, starts, ends, topk, relu, return_scores, config=config)
+    if impl == "auto":
+        global _logged_reference
+        if not _logged_reference:
+            _logged_reference = True
+            _log.info("hytopk: CPU tensors without TRITON_INTERPRET=1, using the PyTorch reference path")
+    return hytopk_reference(q, w, k, starts, ends, topk, relu=relu, return_scores=return_scores)
+
+
+def hytopk_floor(q, w, k, starts, ends, relu: bool = True, config: Config | None = None, topk: int = 2048):
+    """Benchmark floor: the same scoring tile loop with no selection; returns each row's max score.
+
+    ``topk`` only shapes the launch as HyTopK would run it (rows per program).
+    """
+    return _launch(q, w, k, starts, ends, topk, relu, False, select=False, config=config)
+
+
+__all__ = ["hytopk", "hytopk_floor", "Config", "default_config", "interpreter_active", "MAX_TOPK", "replace"]
