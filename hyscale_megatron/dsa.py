@@ -44,13 +44,22 @@ class _Compute:
     """
 
     def __init__(self, layer: "HyScaleDSAttention", mb: int = 0, recompute: bool = False,
-                 will_recompute: bool = False, fp: Optional[torch.Tensor] = None):
+                 will_recompute: bool = False, fp: Optional[torch.Tensor] = None, query=None, key=None):
         self.layer = layer
         self.cfg = layer.hyscale
         self.mb = mb
         self.recompute = recompute
         self.will_recompute = will_recompute
         self.fp = fp
+        self.query, self.key = query, key  # the forward's own attention inputs (with grad)
+        self._attn = None  # (indices, latent outputs per batch, lse per batch) computed early for the loss
+
+    def _kernels(self, impl: str, t: torch.Tensor) -> bool:
+        return impl == "triton" or (impl == "auto" and t.is_cuda)
+
+    @staticmethod
+    def _same(a, b) -> bool:
+        return a is not None and b is not None and a.data_ptr() == b.data_ptr() and a.shape[:2] == b.shape[:2]
 
     def use_fused_kernels(self, config):
         """Everything runs here, so stock's optional TileLang/cuDNN hooks are not consulted."""
@@ -135,15 +144,25 @@ class _Compute:
             bounds = dsa_masking.build_fused_indexer_varlen_bounds(
                 sq=sq, skv=sk, device=q.device, mask=mask, varlen_starts=varlen_starts,
                 varlen_ends=varlen_ends, key_positions=None)
+        lses = self._attention_early(query, key, idx, softmax_scale) if sparse_loss else None
+        kernels = self._kernels(self.cfg.attn_impl, query)
         total = None
         for bi in range(b):
             kv = key[:, bi, 0].detach()
             qv = None if rows_valid is None else rows_valid[bi]
             common = dict(loss_coeff=1.0, relu=use_relu, query_valid_rows=qv, calculate_per_token_loss=True,
                           tp_group=tp_group)
-            if sparse_loss:
+            lse = None if lses is None else lses[bi]
+            if sparse_loss and kernels:
+                from hyscale_kernels.indexer_loss.fused import sparse_indexer_loss  # noqa: PLC0415
+
+                kl = sparse_indexer_loss(q[:, bi], weights[:, bi], k[:, bi], query[:, bi], kv, idx[bi],
+                                         softmax_scale, lse=lse, v_dim=int(self.layer.config.kv_lora_rank),
+                                         deterministic=self.cfg.deterministic, **common)
+            elif sparse_loss:
                 kl = loss_ref.sparse_indexer_loss_reference(
-                    q[:, bi], weights[:, bi], k[:, bi], query[:, bi].detach(), kv, idx[bi], softmax_scale, **common)
+                    q[:, bi], weights[:, bi], k[:, bi], query[:, bi].detach(), kv, idx[bi], softmax_scale,
+                    lse=lse, **common)
             else:
                 kl = loss_ref.dense_indexer_loss_reference(
                     q[:, bi], weights[:, bi], k[:, bi], query[:, bi].detach(), kv, bounds[0], bounds[1],
@@ -153,6 +172,26 @@ class _Compute:
             n_rows = rows_valid.sum().float().clamp_min(1.0) if rows_valid is not None else float(max(b * sq, 1))
             total = total / n_rows
         return total * loss_coeff
+
+    def _attention_early(self, query, key, idx, softmax_scale):
+        """Run the sparse attention now, on the forward's own query/key (with grad), and keep it.
+
+        The sparse-stage loss target needs the attention's LSE; stock asks for the loss before
+        the attention. When the loss's (detached) query/key are views of this forward's attention
+        inputs, the attention is computed here once and ``sparse_attention`` returns it. Returns
+        the per-batch LSEs, or None when the inputs are not this forward's (then the loss path
+        computes them).
+        """
+        if not (self._same(query, self.query) and self._same(key, self.key) and self.key.size(2) == 1):
+            return None
+        v_dim = int(self.layer.config.kv_lora_rank)
+        outs, lses = [], []
+        for bi in range(query.shape[1]):
+            out, lse = self._sparse_mla(self.query[:, bi], self.key[:, bi, 0], idx[bi], softmax_scale, v_dim)
+            outs.append(out)
+            lses.append(lse.detach())
+        self._attn = (idx, outs, lses)
+        return lses
 
     # --- sparse attention ----------------------------------------------------------------
     def sparse_attention(self, *, absorbed_mla, query, key, value, up_v_weight, topk_indices, softmax_scale,
@@ -167,17 +206,19 @@ class _Compute:
                 topk_length=topk_length)
         v_dim = int(config.kv_lora_rank)
         sq, b = query.shape[0], query.shape[1]
-        outs = []
-        for bi in range(b):
-            out, _lse = self._sparse_mla(query[:, bi], key[:, bi, 0], topk_indices[bi], softmax_scale, v_dim)
-            outs.append(out)
+        if self._attn is not None and self._attn[0] is topk_indices and query is self.query and key is self.key:
+            outs = self._attn[1]
+            self._attn = None
+        else:
+            outs = [self._sparse_mla(query[:, bi], key[:, bi, 0], topk_indices[bi], softmax_scale, v_dim)[0]
+                    for bi in range(b)]
         latent = torch.stack(outs, dim=1)  # [sq, b, np, v_dim]
         output = torch.einsum("sbhc,hdc->sbhd", latent, up_v_weight)
         return output.reshape(sq, b, -1)
 
     def _sparse_mla(self, q, kv, idx, scale, v_dim):
         impl = self.cfg.attn_impl
-        if impl == "triton" or (impl == "auto" and q.is_cuda):
+        if self._kernels(impl, q):
             try:
                 from hyscale_kernels.sparse_mla import sparse_mla  # noqa: PLC0415
             except ImportError:
@@ -242,7 +283,8 @@ class HyScaleDSAttention(stock_dsa.DSAttention):
         fp = replay.fingerprint(bound["x"], bound["qr"]) if needs_fp else None
         if self.skip_topk:
             self._load_shared_topk(bound, mb, recompute, will_recompute)
-        with dsa_dispatch.active_override(_Compute(self, mb, recompute, will_recompute, fp)):
+        compute = _Compute(self, mb, recompute, will_recompute, fp, query=bound["query"], key=bound["key"])
+        with dsa_dispatch.active_override(compute):
             return super().forward(*args, **kwargs)
 
     def _load_shared_topk(self, bound, mb, recompute, will_recompute):

@@ -1,0 +1,116 @@
+"""Shared benchmark plumbing: timing (medians + 20/80 percentiles), peak memory, CSV rows."""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def env_info() -> dict:
+    info = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
+                date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"), command=" ".join(sys.argv))
+    for mod in ("triton", "megatron.core", "tilelang"):
+        try:
+            m = __import__(mod, fromlist=["_"])
+            info[mod.split(".")[0]] = getattr(m, "__version__", "?")
+        except Exception:  # noqa: BLE001
+            info[mod.split(".")[0]] = None
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        cwd=os.path.dirname(__file__)).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        info["commit"] = None
+    return info
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, warmup: int = 1, min_iters: int = 3, max_iters: int = 20, target_ms: float = 1500.0) -> dict:
+    """Median and 20/80 percentiles of fn() in ms (CUDA events), after warm-up."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    ts = []
+    est = None
+    while len(ts) < max_iters:
+        if torch.cuda.is_available():
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            ts.append(s.elapsed_time(e))
+        else:
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+        est = statistics.median(ts)
+        if len(ts) >= min_iters and sum(ts) > target_ms:
+            break
+    ts.sort()
+    q = lambda p: ts[min(len(ts) - 1, int(p * (len(ts) - 1) + 0.5))]  # noqa: E731
+    return dict(ms=round(est, 3), p20=round(q(0.2), 3), p80=round(q(0.8), 3), iters=len(ts))
+
+
+def peak_extra_bytes(fn) -> int:
+    if not torch.cuda.is_available():
+        fn()
+        return -1
+    sync()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    sync()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def append_csv(path: str, rows: list[dict]) -> None:
+    if not rows:
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    keys = []
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    exists = os.path.exists(path)
+    if exists:
+        with open(path) as f:
+            header = next(csv.reader(f), [])
+        keys = header + [k for k in keys if k not in header]
+        if keys != header:  # widen the file
+            with open(path) as f:
+                old = list(csv.DictReader(f))
+            with open(path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=keys)
+                w.writeheader()
+                w.writerows(old)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        if not exists:
+            w.writeheader()
+        for r in rows:
+            w.writerow({k: (json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in r.items()})
+
+
+def markdown_table(rows: list[dict], cols: list[str]) -> str:
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(out)

@@ -1,0 +1,94 @@
+"""Triton kernel: the sparse-stage indexer-loss target from the attention's own LSE.
+
+target[t, j] = sum_h exp(scale * q[t, h] . kv[idx[t, j]] - lse[t, h])   (head-summed attention
+probability of each selected key; 0 at -1 padding). One QK pass over the selected keys only: the
+LSE saved by the sparse attention forward normalises the probabilities, so no second softmax
+pass and no [T, S] table. The caller L1-normalises (after a TP all-reduce when heads are sharded).
+Spec: ``reference.sparse_indexer_target`` (which also normalises).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._common import check, check_tensor
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _target_kernel(q, kv, idx, lse, tgt, scale_log2, N,
+                   DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+                   IEEE: tl.constexpr, ATOMIC: tl.constexpr):
+    i_t = tl.program_id(0)  # query token
+    i_h = tl.program_id(1)  # head block
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    m_h = o_h < N
+    o_v = tl.arange(0, BLOCK_V)
+    o_r = tl.arange(0, BLOCK_R)
+    p_q = q + (i_t.to(tl.int64) * N + o_h[:, None]) * DQK
+    b_qv = tl.load(p_q + o_v[None, :], mask=m_h[:, None] & (o_v[None, :] < V), other=0.0)  # [BLOCK_H, BLOCK_V]
+    b_qr = tl.load(p_q + V + o_r[None, :], mask=m_h[:, None] & (o_r[None, :] < R), other=0.0)  # [BLOCK_H, BLOCK_R]
+    b_lse = tl.load(lse + i_t.to(tl.int64) * N + o_h, mask=m_h, other=0.0)  # [BLOCK_H]
+    m_row = m_h & (b_lse != float("-inf"))  # heads of rows with no valid key contribute 0
+    b_lse = tl.where(m_row, b_lse, 0.0) * 1.4426950408889634
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        b_idx = tl.load(idx + i_t.to(tl.int64) * K + o_k, mask=o_k < K, other=-1).to(tl.int64)
+        m_k = b_idx >= 0
+        p_kv = kv + b_idx[:, None] * DQK
+        b_kv = tl.load(p_kv + o_v[None, :], mask=m_k[:, None] & (o_v[None, :] < V), other=0.0)  # [BLOCK_K, BLOCK_V]
+        b_kr = tl.load(p_kv + V + o_r[None, :], mask=m_k[:, None] & (o_r[None, :] < R), other=0.0)  # [BLOCK_K, BLOCK_R]
+        if IEEE:
+            b_s = tl.dot(b_qv, tl.trans(b_kv), input_precision="ieee") + tl.dot(b_qr, tl.trans(b_kr), input_precision="ieee")
+        else:
+            b_s = tl.dot(b_qv, tl.trans(b_kv)) + tl.dot(b_qr, tl.trans(b_kr))  # [BLOCK_H, BLOCK_K]
+        b_p = tl.exp2(b_s * scale_log2 - b_lse[:, None])
+        b_p = tl.where(m_row[:, None] & m_k[None, :], b_p, 0.0)  # [BLOCK_H, BLOCK_K]
+        b_t = tl.sum(b_p, axis=0)  # [BLOCK_K] head sum
+        p_t = tgt + i_t.to(tl.int64) * K + o_k
+        if ATOMIC:  # several head blocks add into one row; two adds commute exactly
+            tl.atomic_add(p_t, b_t, mask=o_k < K, sem="relaxed")
+        else:
+            tl.store(p_t, b_t, mask=o_k < K)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor,
+                            softmax_scale: float, v_dim: int = 512) -> torch.Tensor:
+    """Head-summed attention probabilities at the selected keys (unnormalised), fp32 [T, topk].
+
+    Args:
+        query: [T, N, Dqk] (bf16/fp16/fp32), kv: [S, Dqk] same dtype, indices: [T, topk] int32/int64
+        (-1 padded), lse: [T, N] fp32 natural-log LSE of the sparse attention over those keys.
+    """
+    check_tensor("query", query, 3, (torch.bfloat16, torch.float16, torch.float32))
+    T, N, DQK = query.shape
+    check_tensor("kv", kv, 2, (query.dtype,), device=query.device)
+    check_tensor("indices", indices, 2, (torch.int32, torch.int64), device=query.device)
+    check_tensor("lse", lse, 2, (torch.float32,), device=query.device)
+    check(kv.shape[1] == DQK and indices.shape[0] == T and lse.shape == (T, N),
+          f"shape mismatch: query {tuple(query.shape)}, kv {tuple(kv.shape)}, indices {tuple(indices.shape)}, "
+          f"lse {tuple(lse.shape)}")
+    check(0 < v_dim <= DQK, f"v_dim must be in (0, {DQK}], got {v_dim}")
+    K = indices.shape[1]
+    interp = not query.is_cuda
+    block_h = min(64, max(16, _pow2(N)))
+    n_hb = triton.cdiv(N, block_h)
+    tgt = (torch.zeros if n_hb > 1 else torch.empty)((T, K), dtype=torch.float32, device=query.device)
+    if T == 0 or K == 0:
+        return tgt.zero_()
+    R = DQK - v_dim
+    _target_kernel[(T, n_hb)](
+        query.contiguous(), kv.contiguous(), indices.contiguous(), lse.contiguous(), tgt,
+        float(softmax_scale) * LOG2E, N, DQK=DQK, V=v_dim, R=R, K=K, BLOCK_H=block_h,
+        BLOCK_K=16 if interp else 32, BLOCK_V=_pow2(v_dim), BLOCK_R=max(16, _pow2(max(R, 1))),
+        IEEE=query.dtype == torch.float32, ATOMIC=n_hb > 1, num_warps=4 if interp else 8,
+    )
+    return tgt
