@@ -42,7 +42,7 @@ class HyScaleConfig:
     )
     replay_compact: bool = field(
         default=True,
-        metadata={"doc": "Store replayed indices as int32 (the kernels' native type) instead of int64."},
+        metadata={"doc": "Store replayed indices as int16 when every key position fits (S <= 32768), else int32."},
     )
     deterministic: bool = field(
         default=False,
