@@ -1,0 +1,482 @@
+"""HyTopK benchmark: correctness vs the reference, then time vs the no-selection floor and stock.
+
+Runs on one GPU. In one process: (1) checks HyTopK's index sets against the PyTorch reference on
+sampled rows of several shapes (causal, packed, CP offsets, identity activation, compressed
+keys); (2) optionally sweeps launch configs at one shape; (3) times, per shape, HyTopK, the floor
+(the same scoring tile loop, head sum fused, a running max instead of any selection), stock
+Megatron's TileLang path ``fused_qk_topk_lighting`` and stock's default ``fused_qk_topk_naive``
+where they fit. Appends rows to bench/results/topk.csv (or --csv) and prints a markdown table.
+
+On the device (stock needs the bundle from ../shared/tools/stock-tilelang-bundle.sh):
+  mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl-tl/site.tar.xz && \
+  export PYTHONPATH=/tmp/site:$PWD TILELANG_CACHE_DIR=/tmp/tlcache PYTHONUNBUFFERED=1 && \
+  python3 bench/topk.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _path  # noqa: E402
+
+ROOT = _path.setup()
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from hyscale_kernels.hytopk import Config, hytopk, hytopk_floor  # noqa: E402
+from hyscale_kernels.hytopk.reference import hytopk_reference  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", default=os.environ.get("OUT", "/tmp/topk_out"))
+p.add_argument("--csv", default=None, help="CSV to append to (default: <out>/topk.csv)")
+p.add_argument("--budget-s", type=float, default=470.0, help="stop starting new work after this")
+p.add_argument("--parts", default="check,sweep,main")
+p.add_argument("--sizes", default="16384,32768,65536,131072,262144")
+p.add_argument("--heads", default="64,32")
+p.add_argument("--stock-max", type=int, default=131072, help="largest S for stock TileLang (2.1 s/call at 128K)")
+p.add_argument("--stock-heads", default="64,32")
+p.add_argument("--naive-max", type=int, default=16384)
+p.add_argument("--sweep-S", type=int, default=65536)
+p.add_argument("--config", default=None, help="json Config fields for every HyTopK/floor call")
+p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (script check)")
+args = p.parse_args()
+if args.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"
+os.makedirs(args.out, exist_ok=True)
+CSV = args.csv or os.path.join(args.out, "topk.csv")
+T0 = time.time()
+DEV = "cpu" if args.smoke else "cuda"
+GiB = 1024**3
+D_I = 32 if args.smoke else 128
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def left():
+    return args.budget_s - (time.time() - T0)
+
+
+ENV = dict(
+    gpu="cpu" if args.smoke else torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, megatron="",
+    date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    cmd="python3 " + " ".join(sys.argv),
+)
+ROWS = []
+FIELDS = ["date", "gpu", "torch", "triton", "megatron", "cmd", "shape", "impl", "H", "D", "topk", "T", "S_keys",
+          "ms", "ms_p20", "ms_p80", "tflops", "x_floor", "stock_speedup", "peak_extra_GiB", "out_GiB", "config",
+          "note"]
+
+
+def record(**kw):
+    row = {**ENV, **kw}
+    ROWS.append(row)
+    new = not os.path.exists(CSV)
+    with open(CSV, "a", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        if new:
+            wr.writeheader()
+        wr.writerow(row)
+    log("ROW", json.dumps({k: v for k, v in kw.items()}))
+
+
+def sync():
+    if not args.smoke:
+        torch.cuda.synchronize()
+
+
+def time_fn(fn, target_ms=800.0, min_iters=3, max_iters=50):
+    """Warm-up call, then CUDA-event timing per call: (median, p20, p80) in ms."""
+    fn()
+    sync()
+    if args.smoke:
+        t = time.time()
+        fn()
+        ms = (time.time() - t) * 1e3
+        return ms, ms, ms
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    sync()
+    est = s.elapsed_time(e)
+    n = int(max(min_iters, min(max_iters, target_ms / max(est, 1e-3))))
+    ts = []
+    for _ in range(n):
+        s.record()
+        fn()
+        e.record()
+        sync()
+        ts.append(s.elapsed_time(e))
+    ts.sort()
+    q = lambda f: ts[min(len(ts) - 1, int(round(f * (len(ts) - 1))))]  # noqa: E731
+    return statistics.median(ts), q(0.2), q(0.8)
+
+
+def peak_extra(fn):
+    if args.smoke:
+        fn()
+        return 0
+    sync()
+    empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    sync()
+    pk = torch.cuda.max_memory_allocated() - base
+    del out
+    return pk
+
+
+def empty_cache():
+    if not args.smoke:
+        torch.cuda.empty_cache()
+
+
+def is_oom(exc):
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+# ------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------
+def make_inputs(T, S, H, seed=0, w_sign=False):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    dt = torch.float32 if args.smoke else torch.bfloat16  # the interpreter's bf16 dot is wrong
+    q = torch.randn(T, H, D_I, device=DEV, dtype=dt, generator=g)
+    k = torch.randn(S, D_I, device=DEV, dtype=dt, generator=g)
+    w = torch.randn(T, H, device=DEV, dtype=torch.float32, generator=g) * (H**-0.5 * D_I**-0.5)
+    if not w_sign:
+        w = w.abs()
+    return q, w.to(q.dtype), k
+
+
+def causal(T, ratio=1, offset=0):
+    """Row t sees keys [0, (offset + t + 1) // ratio): ratio 4 = complete 4-token blocks."""
+    t = torch.arange(T, device=DEV, dtype=torch.int64)
+    ends = ((offset + t + 1) // ratio).to(torch.int32)
+    return torch.zeros(T, dtype=torch.int32, device=DEV), ends
+
+
+def packed(seq_lens):
+    st, en, base = [], [], 0
+    for n in seq_lens:
+        t = torch.arange(n, device=DEV, dtype=torch.int64)
+        st.append(torch.full((n,), base, device=DEV, dtype=torch.int64))
+        en.append(base + t + 1)
+        base += n
+    return torch.cat(st).to(torch.int32), torch.cat(en).to(torch.int32)
+
+
+def flops(starts, ends, H):
+    return float((ends.long() - starts.long()).clamp(min=0).sum().item()) * H * D_I * 2
+
+
+CFG = Config(**json.loads(args.config)) if args.config else None
+
+
+# ------------------------------------------------------------------------------------------
+# (1) correctness on sampled rows
+# ------------------------------------------------------------------------------------------
+def check_rows(name, q, w, k, st, en, topk, relu, n_rows=192, cfg=None):
+    T = q.shape[0]
+    idx, val = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=cfg)
+    idx2 = hytopk(q, w, k, st, en, topk, relu=relu, config=cfg)
+    deterministic = bool(torch.equal(idx, idx2))
+    g = torch.Generator(device="cpu").manual_seed(1)
+    rows = torch.cat([torch.arange(max(0, T - 32), T), torch.randint(0, T, (n_rows,), generator=g)]).unique().to(DEV)
+    ri, rv = hytopk_reference(q[rows], w[rows], k, st[rows], en[rows], topk, relu=relu, return_scores=True,
+                              chunk_rows=8)
+    mi = idx[rows].long()
+    n_vis = (en[rows] - st[rows]).clamp(min=0).clamp(max=topk)
+    cnt_ok = bool(((mi >= 0).sum(1) == n_vis).all())
+    exact = 0
+    worst = 0.0
+    viol = 0
+    for j in range(rows.numel()):
+        a = set(mi[j][mi[j] >= 0].tolist())
+        b = set(ri[j][ri[j] >= 0].tolist())
+        if a == b:
+            exact += 1
+            continue
+        # allowed only at a near-tie on the boundary: our extra picks score within tol of the kth
+        kth = rv[j][max(0, int(n_vis[j]) - 1)].item()
+        scale = max(1e-6, rv[j][0].abs().item())
+        extra = a - b
+        full = _row_scores(q[rows[j]], w[rows[j]], k, relu)
+        gap = max((kth - full[i].item()) / scale for i in extra) if extra else 1.0
+        worst = max(worst, gap)
+        viol += int(gap > 1e-4)
+    # scores returned must match the reference scores at those indices (fp32 accumulation order)
+    ours = val[rows]
+    ref_at = _scores_at(q[rows], w[rows], k, mi, relu)
+    m = mi >= 0
+    sc_err = ((ours - ref_at).abs()[m].max() / ref_at.abs()[m].max().clamp(min=1e-6)).item() if m.any() else 0.0
+    res = dict(check=name, rows=int(rows.numel()), exact_rows=exact, near_tie_rows=int(rows.numel()) - exact - viol,
+               violations=viol, worst_gap_rel=worst, counts_ok=cnt_ok, deterministic=deterministic,
+               score_rel_err=sc_err)
+    log("CHECK", json.dumps(res))
+    return res
+
+
+def _row_scores(qr, wr, k, relu):
+    s = torch.einsum("hd,sd->hs", qr.float(), k.float())
+    if relu:
+        s = s.relu()
+    return (s * wr.float()[:, None]).sum(0)
+
+
+def _scores_at(q, w, k, idx, relu):
+    ks = k.float()[idx.clamp(min=0)]  # [n, topk, D]
+    s = torch.einsum("nhd,njd->nhj", q.float(), ks)
+    if relu:
+        s = s.relu()
+    return (s * w.float()[:, :, None]).sum(1)
+
+
+CHECKS = []
+if "check" in args.parts:
+    try:
+        specs = [] if args.smoke else [
+            ("causal H64 k2048 relu 12K", 12288, 12288, 64, 2048, True, causal(12288), False),
+            ("causal H32 k2048 identity w+- 9000", 9000, 9000, 32, 2048, False, causal(9000), True),
+            ("packed 3 seqs H64 k512", 7000, 7000, 64, 512, True, packed([3000, 2500, 1500]), False),
+            ("CP offset 4096 H64 k2048", 4096, 8192, 64, 2048, True, causal(4096, offset=4096), False),
+            ("QSA H4 k512 S/4 keys", 16384, 4096, 4, 512, True, causal(16384, ratio=4), False),
+            ("CSA H64 k512 S/4 keys", 16384, 4096, 64, 512, True, causal(16384, ratio=4), False),
+        ]
+        if args.smoke:
+            specs = [("smoke causal", 40, 40, 4, 8, True, causal(40), False),
+                     ("smoke identity", 30, 30, 2, 8, False, causal(30), True)]
+        for name, T, S, H, kk, relu, (st, en), wsign in specs:
+            q, w, k = make_inputs(T, S, H, seed=T + H, w_sign=wsign)
+            CHECKS.append(check_rows(name, q, w, k, st, en, kk, relu, cfg=CFG))
+            del q, w, k
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        CHECKS.append(dict(check="error", error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+    empty_cache()
+
+
+# ------------------------------------------------------------------------------------------
+# (2) config sweep
+# ------------------------------------------------------------------------------------------
+SWEEP = [
+    Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=2, programs_per_sm=2),
+    Config(block_n=64, rows_x_heads=256, num_warps=8, num_stages=3, programs_per_sm=1),
+    Config(block_n=64, rows_x_heads=128, num_warps=4, num_stages=3, programs_per_sm=2),
+    Config(block_n=128, rows_x_heads=128, num_warps=8, num_stages=2, programs_per_sm=1),
+    Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=3, programs_per_sm=2),
+]
+BEST = {}
+if "sweep" in args.parts:
+    S = 64 if args.smoke else args.sweep_S
+    for H, kk, ratio in ((4, 8, 1),) if args.smoke else ((64, 2048, 1), (4, 512, 4)):
+        best = None
+        T = S
+        Sk = S // ratio
+        q, w, k = make_inputs(T, Sk, H)
+        st, en = causal(T, ratio)
+        fl = flops(st, en, H)
+        sweep = SWEEP if H == 64 else [SWEEP[0], SWEEP[2], SWEEP[1]]
+        for i, cfg in enumerate([None] if args.smoke else sweep):
+            if left() < 200:
+                log("sweep: time budget, stopping")
+                break
+            try:
+                f_ms = time_fn(lambda: hytopk_floor(q, w, k, st, en, config=cfg, topk=kk), target_ms=400)[0]
+                h_ms = time_fn(lambda: hytopk(q, w, k, st, en, kk, check_bounds=False, config=cfg), target_ms=400)[0]
+                log(f"SWEEP H{H} S{S} cfg{i} {cfg}: floor {f_ms:.2f} ms ({fl / f_ms / 1e9:.0f} TF) "
+                    f"hytopk {h_ms:.2f} ms ({fl / h_ms / 1e9:.0f} TF) x{h_ms / f_ms:.3f}")
+                record(shape=f"sweep cfg{i}", impl="hytopk", H=H, D=D_I, topk=kk, T=T, S_keys=Sk, ms=round(h_ms, 3),
+                       tflops=round(fl / h_ms / 1e9, 1), x_floor=round(h_ms / f_ms, 3),
+                       config=json.dumps(cfg.__dict__) if cfg else "default",
+                       note=f"floor {f_ms:.3f} ms")
+                if best is None or h_ms < best[0]:
+                    best = (h_ms, cfg)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                log(f"SWEEP cfg{i} failed: {exc}")
+        if best and best[1] is not None:
+            BEST[H] = best[1]
+        del q, w, k
+        empty_cache()
+    log("BEST", {h: c.__dict__ for h, c in BEST.items()})
+
+
+def cfg_for(H):
+    if CFG is not None:
+        return CFG
+    if H >= 16 and 64 in BEST:
+        return BEST[64]
+    if H < 16 and 4 in BEST:
+        return BEST[4]
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# (3) main table: HyTopK, floor, stock TileLang, stock naive
+# ------------------------------------------------------------------------------------------
+tl_dsa = dsa_mod = None
+if "main" in args.parts:
+    try:
+        import megatron.core
+
+        ENV["megatron"] = getattr(megatron.core, "__version__", "?")
+        import torch.distributed as dist
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29561")
+        dist.init_process_group("gloo" if args.smoke else "nccl", rank=0, world_size=1)
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(1, 1)
+        from megatron.core.transformer.experimental_attention_variant import dsa as dsa_mod
+        try:
+            import tilelang  # noqa: F401
+            from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa as tl_dsa
+
+            if tl_dsa.lighting_indexer_indices is None:
+                tl_dsa = None
+        except Exception as exc:  # noqa: BLE001
+            log(f"stock tilelang unavailable: {exc}")
+    except Exception as exc:  # noqa: BLE001
+        log(f"megatron unavailable: {type(exc).__name__}: {exc}")
+
+SHAPES = []
+if "main" in args.parts and args.smoke:
+    SHAPES = [("smoke DSA", 4, 8, 64, 1), ("smoke QSA", 2, 4, 64, 4)]
+elif "main" in args.parts:
+    sizes = [64, 96] if args.smoke else [int(x) for x in args.sizes.split(",")]
+    for H in [int(h) for h in args.heads.split(",")]:
+        for S in sizes:
+            SHAPES.append((f"DSA H{H}", H, 2048, S, 1))
+    for S in sizes:
+        SHAPES.append(("QSA-like H4 S/4", 4, 512, S, 4))
+    for S in sizes:
+        SHAPES.append(("CSA-like H64 k512 S/4", 64, 512, S, 4))
+
+
+def run_shape(name, H, kk, T, ratio):
+    Sk = T // ratio
+    q, w, k = make_inputs(T, Sk, H)
+    st, en = causal(T, ratio)
+    fl = flops(st, en, H)
+    cfg = cfg_for(H)
+    base = dict(shape=name, H=H, D=D_I, topk=kk, T=T, S_keys=Sk, config=json.dumps(cfg.__dict__) if cfg else "default")
+    out_bytes = T * kk * 4
+    res = {}
+    f_ms = time_fn(lambda: hytopk_floor(q, w, k, st, en, config=cfg, topk=kk))
+    record(**base, impl="floor", ms=round(f_ms[0], 3), ms_p20=round(f_ms[1], 3), ms_p80=round(f_ms[2], 3),
+           tflops=round(fl / f_ms[0] / 1e9, 1))
+    h_ms = time_fn(lambda: hytopk(q, w, k, st, en, kk, check_bounds=False, config=cfg))
+    pk = peak_extra(lambda: hytopk(q, w, k, st, en, kk, check_bounds=False, config=cfg))
+    res.update(floor=f_ms[0], hytopk=h_ms[0], mem=pk / GiB, out=out_bytes / GiB, tf=fl / h_ms[0] / 1e9,
+               tf_floor=fl / f_ms[0] / 1e9)
+    row_h = dict(**base, impl="hytopk", ms=round(h_ms[0], 3), ms_p20=round(h_ms[1], 3), ms_p80=round(h_ms[2], 3),
+                 tflops=round(fl / h_ms[0] / 1e9, 1), x_floor=round(h_ms[0] / f_ms[0], 3),
+                 peak_extra_GiB=round(pk / GiB, 4), out_GiB=round(out_bytes / GiB, 4))
+    # stock TileLang: bf16 [S, 1, H, D] layout, fp32 [8192 x S] logits per block, torch.topk
+    if tl_dsa is None:
+        res["stock"] = "n/a"
+    elif ratio != 1 or str(H) not in args.stock_heads.split(",") or T > args.stock_max:
+        res["stock"] = "skipped"
+    elif left() < 4 * 2.2 * (T / 131072) ** 2 + 90:
+        res["stock"] = "skipped (time)"
+    else:
+        try:
+            q4, k3, w3 = q[:, None], k[:, None], w[:, None]
+            fn = lambda: tl_dsa.fused_qk_topk_lighting(q4, k3, w3, kk, st, en, block_size=8192)  # noqa: E731
+            t = time.time()
+            fn()
+            sync()
+            log(f"stock tilelang first call {time.time() - t:.1f}s")
+            s_ms = time_fn(fn, target_ms=1500)
+            s_pk = peak_extra(fn)
+            res["stock"] = s_ms[0]
+            record(**base, impl="stock tilelang fused_qk_topk_lighting", ms=round(s_ms[0], 3),
+                   ms_p20=round(s_ms[1], 3), ms_p80=round(s_ms[2], 3), tflops=round(fl / s_ms[0] / 1e9, 1),
+                   x_floor=round(s_ms[0] / f_ms[0], 3), peak_extra_GiB=round(s_pk / GiB, 3))
+            row_h["stock_speedup"] = round(s_ms[0] / h_ms[0], 2)
+        except Exception as exc:  # noqa: BLE001
+            res["stock"] = "OOM" if is_oom(exc) else f"error {type(exc).__name__}"
+            traceback.print_exc()
+    # stock default path (materializes fp32 [S, H, S])
+    if dsa_mod is not None and ratio == 1 and T <= args.naive_max and left() > 60:
+        try:
+            st64, en64 = st.long(), en.long()
+
+            def fn():
+                with torch.no_grad():
+                    return dsa_mod.fused_qk_topk_naive(q[:, None], k[:, None], w[:, None], kk,
+                                                       varlen_starts=st64, varlen_ends=en64)
+
+            n_pk = peak_extra(fn)
+            n_ms = time_fn(fn, target_ms=1000)
+            res["naive"] = n_ms[0]
+            record(**base, impl="stock fused_qk_topk_naive", ms=round(n_ms[0], 3), ms_p20=round(n_ms[1], 3),
+                   ms_p80=round(n_ms[2], 3), tflops=round(fl / n_ms[0] / 1e9, 1), peak_extra_GiB=round(n_pk / GiB, 3))
+        except Exception as exc:  # noqa: BLE001
+            res["naive"] = "OOM" if is_oom(exc) else f"error {type(exc).__name__}"
+        empty_cache()
+    record(**row_h, note=str(res.get("stock", "")) if not isinstance(res.get("stock"), float) else "")
+    del q, w, k
+    empty_cache()
+    return res
+
+
+TABLE = []
+for name, H, kk, T, ratio in SHAPES:
+    est = 3 * 6 * (T / 262144) ** 2 * H / 64 + 5
+    if left() < est:
+        TABLE.append((name, H, kk, T, ratio, {"skipped": "time budget"}))
+        continue
+    try:
+        TABLE.append((name, H, kk, T, ratio, run_shape(name, H, kk, T, ratio)))
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        TABLE.append((name, H, kk, T, ratio, {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}))
+        empty_cache()
+
+
+def fmt(x, nd=2):
+    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+lines = ["", f"GPU {ENV['gpu']} | torch {ENV['torch']} | triton {ENV['triton']} | megatron {ENV['megatron']}"]
+for c in CHECKS:
+    lines.append("check " + json.dumps(c))
+lines += ["", "| shape | H | k | tokens | keys | floor ms (TF/s) | HyTopK ms (TF/s) | x floor | stock TileLang ms | "
+              "speedup | stock naive ms | HyTopK peak extra GiB (outputs GiB) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+for name, H, kk, T, ratio, r in TABLE:
+    if "hytopk" not in r:
+        lines.append(f"| {name} | {H} | {kk} | {T} | {T // ratio} | {r} |||||||")
+        continue
+    st_ms = r.get("stock", "")
+    sp = f"{st_ms / r['hytopk']:.1f}x" if isinstance(st_ms, float) else ""
+    lines.append(
+        f"| {name} | {H} | {kk} | {T // 1024}K | {T // ratio // 1024}K | {r['floor']:.2f} ({r['tf_floor']:.0f}) | "
+        f"{r['hytopk']:.2f} ({r['tf']:.0f}) | {r['hytopk'] / r['floor']:.3f} | {fmt(st_ms, 1)} | {sp} | "
+        f"{fmt(r.get('naive', ''), 1)} | {r['mem']:.3f} ({r['out']:.3f}) |")
+tbl = "\n".join(lines)
+with open(os.path.join(args.out, "topk_table.md"), "w") as f:
+    f.write(tbl + "\n")
+print(tbl, flush=True)
+log("done")
