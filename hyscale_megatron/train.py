@@ -130,6 +130,9 @@ def parse_train_args(argv: Sequence[str], fresh: bool = True):
     from megatron.training import global_vars  # noqa: PLC0415
     from megatron.training.arguments import parse_and_validate_args  # noqa: PLC0415
 
+    from hyscale_patches import training_compat  # noqa: PLC0415
+
+    training_compat.apply()
     argv = expand_arg_files(argv)
     if fresh:
         global_vars.unset_global_variables()
@@ -547,6 +550,8 @@ def run_core_loop(args) -> list[dict]:
               f"device {_device()}", flush=True)
     config = get_model_config(models[0])
     config.grad_scale_func = None
+    if not torch.cuda.is_available():
+        config.batch_p2p_sync = False  # its torch.cuda.synchronize() guards CUDA streams only
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                               weight_decay=args.weight_decay)

@@ -11,8 +11,13 @@ machine, GPU included:
   skips the compile when ``megatron.core.datasets.helpers_cpp`` imports and otherwise calls the
   original (a source checkout with a Makefile still compiles).
 
-The CPU shims the core loop needs (current device, CPU RNG, the schedules' ``device="cuda"``
-token counter) live in ``hyscale_patches.cpu_compat``.
+Only without CUDA (``CPU``, applied by the core loop of ``hyscale-train`` on CPU):
+
+* ``cpu-device-arch``: ``validate_args`` asks ``get_device_arch_version()`` (CUDA device
+  properties) when TP or CP > 1; without CUDA it answers 0 (pre-Blackwell rules apply).
+
+The other CPU shims (current device, CPU RNG, the schedules' ``device="cuda"`` token counter)
+live in ``hyscale_patches.cpu_compat``.
 """
 
 from __future__ import annotations
@@ -47,17 +52,38 @@ def _skip_compile_helpers(original):
     return compile_helpers
 
 
+def _cpu_device_arch(original):
+    def get_device_arch_version():
+        import torch  # noqa: PLC0415
+
+        return original() if torch.cuda.is_available() else 0
+
+    get_device_arch_version.__wrapped__ = original
+    return get_device_arch_version
+
+
 ALWAYS = [
     Patch("skip-compile-helpers", DATASET_UTILS, "compile_helpers", _skip_compile_helpers),
 ]
-PATCHES = list(ALWAYS)
+CPU = [
+    Patch("cpu-device-arch", "megatron.training.arguments", "get_device_arch_version", _cpu_device_arch),
+]
+PATCHES = ALWAYS + CPU
 
 
-def apply() -> list[str]:
-    """Apply every training overlay (safe to call again). Returns the active patch names."""
-    for p in PATCHES:
+def apply(cpu: bool | None = None) -> list[str]:
+    """Apply ``ALWAYS`` and, without CUDA (or with ``cpu=True``), ``CPU``; safe to call again.
+
+    Returns the names of the patches applied by this call or before.
+    """
+    if cpu is None:
+        import torch  # noqa: PLC0415
+
+        cpu = not torch.cuda.is_available()
+    chosen = ALWAYS + (CPU if cpu else [])
+    for p in chosen:
         p.apply()
-    return [p.name for p in PATCHES]
+    return [p.name for p in chosen]
 
 
 def revert() -> None:

@@ -152,3 +152,13 @@ def test_configs_parse_with_megatron(name):
         assert args.qk_pos_emb_head_dim == 64
         assert (args.num_attention_heads, args.dsa_indexer_n_heads) in ((128, 64), (64, 32))
         assert args.dsa_indexer_rope_interleaved == name.startswith("glm")
+
+
+def test_launch_scripts_differ_only_in_spec_and_hyscale_flags():
+    stock = (ROOT / "examples" / "launch_stock.sh").read_text().splitlines()
+    ours = (ROOT / "examples" / "launch_hyscale.sh").read_text().splitlines()
+    assert len(stock) == len(ours)
+    diff = [(a, b) for a, b in zip(stock, ours) if a != b]
+    assert [a.split("=")[0] for a, _ in diff] == ["SPEC", "HYSCALE_ARGS"]
+    assert "stock_block_spec" in diff[0][0] and "hyscale_block_spec" in diff[0][1]
+    assert diff[1][0] == 'HYSCALE_ARGS="--no-hyscale"' and "--hyscale " in diff[1][1]

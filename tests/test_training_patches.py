@@ -20,7 +20,7 @@ def test_apply_twice_is_safe_and_logs_once(clean_patches, caplog):
 
     original = utils.compile_helpers
     with caplog.at_level(logging.INFO, logger="hyscale_patches"):
-        assert training_compat.apply() == ["skip-compile-helpers"]
+        assert training_compat.apply(cpu=False) == ["skip-compile-helpers"]
         first = utils.compile_helpers
         training_compat.apply()
         assert utils.compile_helpers is first, "second apply must not wrap again"
@@ -70,3 +70,17 @@ def test_missing_symbol_names_symbol_and_version():
     msg = str(exc.value)
     assert "megatron.core.datasets.utils.compile_helpers_renamed" in msg
     assert "0.19.2" in msg and "installed" in msg
+
+
+def test_cpu_device_arch_patch(clean_patches):
+    import torch
+    from megatron.training import arguments
+
+    original = arguments.get_device_arch_version
+    assert training_compat.apply(cpu=True) == ["skip-compile-helpers", "cpu-device-arch"]
+    training_compat.apply(cpu=True)
+    assert arguments.get_device_arch_version.__wrapped__ is original
+    if not torch.cuda.is_available():
+        assert arguments.get_device_arch_version() == 0
+    training_compat.revert()
+    assert arguments.get_device_arch_version is original
