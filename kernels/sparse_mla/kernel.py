@@ -21,7 +21,6 @@ import triton.language as tl
 from .scatter import deterministic_scatter_add_
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit
