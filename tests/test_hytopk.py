@@ -1,0 +1,269 @@
+"""HyTopK against the PyTorch reference.
+
+CPU: the Triton kernel runs in the interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before
+triton is imported when there is no CUDA) at tiny fp32 shapes. If the kernel was imported without
+the interpreter in this process, the interpreter tests re-run themselves in a subprocess.
+GPU (``-m gpu``): real shapes in bf16.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hyscale_kernels.hytopk import MAX_TOPK, hytopk, interpreter_active
+from hyscale_kernels.hytopk.op import Config
+from hyscale_kernels.hytopk.reference import (
+    causal_bounds,
+    hytopk_reference,
+    index_scores_reference,
+    packed_causal_bounds,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+INTERP = interpreter_active()
+interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
+
+
+def _inputs(T, S, H, D=32, seed=0, dtype=torch.float32, device="cpu", w_sign=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, D, generator=g)
+    k = torch.randn(S, D, generator=g)
+    w = torch.randn(T, H, generator=g)
+    if not w_sign:
+        w = w.abs()
+    return q.to(device, dtype), w.to(device, dtype), k.to(device, dtype)
+
+
+def assert_same_selection(q, w, k, st, en, topk, relu, idx, val=None, tol=1e-5):
+    """Sets equal to the reference's; a differing row is allowed only at a near-tie on the boundary."""
+    ri, rv = hytopk_reference(q, w, k, st, en, topk, relu=relu, return_scores=True)
+    idx, ri = idx.cpu().long(), ri.cpu().long()
+    rv = rv.cpu()
+    assert idx.shape == ri.shape and idx.dtype == torch.long
+    n_vis = (en.long() - st.long()).clamp(min=0).clamp(max=topk).cpu()
+    assert torch.equal((idx >= 0).sum(1), n_vis), "number of selected keys per row"
+    # -1 padding only after the selected keys; no duplicates; all inside the row's bounds
+    for t in range(idx.shape[0]):
+        sel = idx[t, : n_vis[t]]
+        assert (idx[t, n_vis[t]:] == -1).all()
+        assert sel.unique().numel() == sel.numel(), f"row {t}: duplicate indices"
+        assert ((sel >= st[t].item()) & (sel < en[t].item())).all(), f"row {t}: index out of bounds"
+    scores = index_scores_reference(q, w, k, relu).cpu()
+    for t in range(idx.shape[0]):
+        a, b = set(idx[t][idx[t] >= 0].tolist()), set(ri[t][ri[t] >= 0].tolist())
+        if a != b:
+            kth = rv[t, n_vis[t] - 1].item()
+            scale = max(1.0, rv[t, 0].abs().item())
+            gaps = [abs(scores[t, i].item() - kth) / scale for i in a ^ b]
+            assert max(gaps) < tol, f"row {t}: sets differ beyond a near-tie (gap {max(gaps):.3g})"
+    if val is not None:
+        val = val.cpu()
+        got = torch.where(idx >= 0, val, torch.full_like(val, float("-inf"))).sort(1, descending=True).values
+        ref = rv.sort(1, descending=True).values
+        fin = torch.isfinite(ref)
+        assert torch.equal(fin, torch.isfinite(got))
+        torch.testing.assert_close(got[fin], ref[fin], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# interpreter (CPU) tests of the Triton kernel
+# ---------------------------------------------------------------------------------------------
+@interp
+@pytest.mark.parametrize("T,S,H,topk,relu", [(37, 45, 4, 8, True), (21, 50, 2, 5, False)])
+def test_causal_ragged(T, S, H, topk, relu):
+    """T, S not multiples of the tile; CP-style offset (rows are the last T of S); compactions."""
+    q, w, k = _inputs(T, S, H, seed=T)
+    st, en = causal_bounds(T, S, offset=S - T)
+    idx, val = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True)
+    assert idx.dtype == torch.int32 and val.dtype == torch.float32
+    assert_same_selection(q, w, k, st, en, topk, relu, idx, val)
+
+
+@interp
+def test_short_and_masked_rows():
+    """Rows with fewer visible keys than topk (-1 padding), fully masked rows, topk > S."""
+    T, S, H, topk = 12, 10, 2, 16
+    q, w, k = _inputs(T, S, H, seed=3)
+    st, en = causal_bounds(T, S)
+    st, en = st.clone(), en.clone()
+    st[4], en[4] = 5, 5  # fully masked
+    st[7], en[7] = 0, 0
+    idx, val = hytopk(q, w, k, st, en, topk, return_scores=True)
+    assert (idx[4] == -1).all() and (idx[7] == -1).all() and torch.isinf(val[4]).all()
+    assert_same_selection(q, w, k, st, en, topk, True, idx, val)
+
+
+@interp
+def test_ties_exact_zeros():
+    """ReLU zeros: most keys score exactly 0; the boundary falls among the zeros (index asc)."""
+    T, S, H, D, topk = 16, 48, 2, 16, 8
+    q, w, k = _inputs(T, S, H, D=D, seed=5, w_sign=False)
+    k = k.abs()
+    q = -q.abs()  # every q.k < 0 -> ReLU gives exact zeros ...
+    q[:, :, 0] = 0.0
+    k[::7, 0] = 50.0  # ... except for every 7th key when the row's q[:, :, 0] > 0
+    q[::2, :, 0] = 1.0
+    st, en = causal_bounds(T, S, offset=S - T)
+    idx = hytopk(q, w, k, st, en, topk)
+    ri = hytopk_reference(q, w, k, st, en, topk)
+    for t in range(T):  # exact set equality: the zeros must be the lowest indices
+        assert set(idx[t].tolist()) == set(ri[t].tolist()), t
+
+
+@interp
+def test_negative_scores_identity():
+    """Identity activation and negative weights: all scores may be negative."""
+    T, S, H, topk = 20, 40, 4, 24  # most rows must also pick negative scores
+    q, w, k = _inputs(T, S, H, seed=9)
+    w = -w.abs()
+    st, en = causal_bounds(T, S, offset=S - T)
+    idx, val = hytopk(q, w, k, st, en, topk, relu=False, return_scores=True)
+    assert (val[idx >= 0] < 0).any()
+    assert_same_selection(q, w, k, st, en, topk, False, idx, val)
+
+
+@interp
+def test_packed_segments_and_determinism():
+    """Packed sequences (several segments), topk > some segment lengths; two runs identical."""
+    lens = [9, 17, 4, 14]
+    st, en = packed_causal_bounds(lens)
+    T = sum(lens)
+    q, w, k = _inputs(T, T, 2, seed=11)
+    idx1 = hytopk(q, w, k, st, en, 6)
+    idx2 = hytopk(q, w, k, st, en, 6)
+    assert torch.equal(idx1, idx2)
+    assert_same_selection(q, w, k, st, en, 6, True, idx1)
+
+
+@interp
+def test_block_rows_config():
+    """A different launch shape (more rows per program, bigger tiles) gives the same sets."""
+    T, S, H, topk = 19, 70, 4, 8
+    q, w, k = _inputs(T, S, H, seed=13)
+    st, en = causal_bounds(T, S, offset=S - T)
+    cfg = Config(block_n=32, rows_x_heads=16, num_warps=1, num_stages=1, programs_per_sm=1,
+                 min_free_tiles=1, sel_chunk=64)
+    idx = hytopk(q, w, k, st, en, topk, config=cfg)
+    assert_same_selection(q, w, k, st, en, topk, True, idx)
+
+
+def test_interpreter_in_subprocess():
+    """When this process imported the kernel without the interpreter, run the tests above there."""
+    if INTERP or HAS_CUDA:
+        pytest.skip("interpreter tests ran in-process (or CUDA present)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                        "-k", "not subprocess and not gpu"], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# API: validation and dispatch (no kernel run needed)
+# ---------------------------------------------------------------------------------------------
+def test_bad_inputs():
+    T, S, H, D = 6, 8, 2, 32
+    q, w, k = _inputs(T, S, H, D=D)
+    st, en = causal_bounds(T, S)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        hytopk(q.numpy(), w, k, st, en, 4)
+    with pytest.raises(ValueError, match="q must be 3-D"):
+        hytopk(q[0], w, k, st, en, 4)
+    with pytest.raises(ValueError, match="w must have shape"):
+        hytopk(q, w[:, :1], k, st, en, 4)
+    with pytest.raises(ValueError, match="k must have shape"):
+        hytopk(q, w, k[:, :16], st, en, 4)
+    with pytest.raises(TypeError, match="k must have the dtype of q"):
+        hytopk(q, w, k.half(), st, en, 4)
+    with pytest.raises(TypeError, match="starts must have dtype"):
+        hytopk(q, w, k, st.long(), en, 4)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        hytopk(q.to(torch.int32), w, k, st, en, 4)
+    with pytest.raises(ValueError, match="ends must have shape"):
+        hytopk(q, w, k, st, en[:-1], 4)
+    with pytest.raises(ValueError, match="topk must be in"):
+        hytopk(q, w, k, st, en, 0)
+    with pytest.raises(ValueError, match="topk must be in"):
+        hytopk(q, w, k, st, en, MAX_TOPK + 1)
+    with pytest.raises(TypeError, match="topk must be an int"):
+        hytopk(q, w, k, st, en, 4.0)
+    with pytest.raises(ValueError, match="ends must be <= S"):
+        hytopk(q, w, k, st, en + S, 4)
+    with pytest.raises(ValueError, match="starts must be >= 0"):
+        hytopk(q, w, k, st - 1, en, 4)
+    with pytest.raises(ValueError, match="starts must be <= ends"):
+        hytopk(q, w, k, en, st, 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        hytopk(q.transpose(0, 1).contiguous().transpose(0, 1), w, k, st, en, 4)
+    with pytest.raises(ValueError, match="power of two"):
+        hytopk(q[:, :1].expand(T, 3, D).contiguous(), w[:, :1].expand(T, 3).contiguous(), k, st, en, 4)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        hytopk(q[:, :, :24].contiguous(), w, k[:, :24].contiguous(), st, en, 4)
+    with pytest.raises(ValueError, match="impl must be"):
+        hytopk(q, w, k, st, en, 4, impl="cuda")
+    if HAS_CUDA:
+        with pytest.raises(ValueError, match="expected"):
+            hytopk(q, w, k.cuda(), st, en, 4)
+
+
+def test_reference_path_and_log(caplog, monkeypatch):
+    """impl='reference' is the spec; 'auto' on CPU without the interpreter logs one line."""
+    T, S, H = 10, 12, 2
+    q, w, k = _inputs(T, S, H)
+    st, en = causal_bounds(T, S)
+    idx = hytopk(q, w, k, st, en, 20, impl="reference")  # topk > S: -1 padded
+    assert idx.shape == (T, 20) and (idx[:, S:] == -1).all()
+    from hyscale_kernels.hytopk import op
+
+    monkeypatch.setattr(op, "interpreter_active", lambda: False)
+    monkeypatch.setattr(op, "_logged_reference", False)
+    with caplog.at_level(logging.INFO, logger="hyscale_kernels"):
+        a = hytopk(q, w, k, st, en, 5)
+        hytopk(q, w, k, st, en, 5)
+    msgs = [r for r in caplog.records if "reference" in r.getMessage()]
+    assert len(msgs) == 1
+    assert torch.equal(a, hytopk_reference(q, w, k, st, en, 5))
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        hytopk(q, w, k, st, en, 5, impl="triton")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real shapes in bf16
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("T,S,H,topk,relu,ratio", [
+    (4096, 4096, 64, 2048, True, 1),
+    (3000, 5000, 32, 2048, False, 1),
+    (8192, 2048, 4, 512, True, 4),
+])
+def test_gpu_matches_reference(T, S, H, topk, relu, ratio):
+    q, w, k = _inputs(T, S, H, D=128, seed=T, dtype=torch.bfloat16, device="cuda", w_sign=not relu)
+    if ratio == 1:
+        st, en = causal_bounds(T, S, offset=S - T, device="cuda")
+    else:
+        t = torch.arange(T, device="cuda")
+        st, en = torch.zeros_like(t, dtype=torch.int32), ((t + 1) // ratio).to(torch.int32)
+    idx, val = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True)
+    assert torch.equal(idx, hytopk(q, w, k, st, en, topk, relu=relu))
+    rows = torch.cat([torch.arange(0, T, max(1, T // 48)), torch.arange(T - 8, T)]).cuda()
+    assert_same_selection(q[rows].float(), w[rows].float(), k.float(), st[rows], en[rows], topk, relu,
+                          idx[rows], val[rows], tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_packed_segments():
+    lens = [1000, 3000, 77, 2500]
+    st, en = packed_causal_bounds(lens, device="cuda")
+    T = sum(lens)
+    q, w, k = _inputs(T, T, 64, D=128, seed=2, dtype=torch.bfloat16, device="cuda", w_sign=False)
+    idx = hytopk(q, w, k, st, en, 2048)
+    rows = torch.arange(0, T, 97, device="cuda")
+    assert_same_selection(q[rows].float(), w[rows].float(), k.float(), st[rows], en[rows], 2048, True, idx[rows])
