@@ -60,6 +60,10 @@ OWNED_FLAGS = ("--hyscale", "--no-hyscale", "--spec", "--hyscale-run-name", "--h
                "--dsa-kernel-backend")
 
 
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+             "TORCHELASTIC_RUN_ID")
+
+
 class CompareRefused(ValueError):
     """The requested comparison would not be like for like; the message says why."""
 
@@ -179,6 +183,8 @@ def run_one(name: str, cmd: list[str], out: Path) -> float:
     if metrics.exists():
         metrics.unlink()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for key in _DIST_ENV:  # a fresh rendezvous per run; never reuse the caller's process-group port
+        env.pop(key, None)
     print(f"[hyscale-compare] {name}: {shlex.join(cmd)}", flush=True)
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
