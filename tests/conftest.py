@@ -17,6 +17,22 @@ if not _HAS_CUDA:
 
 import pytest  # noqa: E402
 
+try:  # an uninstalled checkout (e.g. the GPU machine): import kernels/ and patches/ from the repo
+    import hyscale_kernels  # noqa: F401
+except ImportError:
+    import importlib.util
+    import sys
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, _root)
+    for _name, _folder in (("hyscale_kernels", "kernels"), ("hyscale_patches", "patches")):
+        _path = os.path.join(_root, _folder)
+        _spec = importlib.util.spec_from_file_location(_name, os.path.join(_path, "__init__.py"),
+                                                       submodule_search_locations=[_path])
+        _mod = importlib.util.module_from_spec(_spec)
+        sys.modules[_name] = _mod
+        _spec.loader.exec_module(_mod)
+
 
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
