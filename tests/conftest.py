@@ -58,9 +58,15 @@ def _fresh_global_state():
     process-wide: reset both around every test so one test's leftovers cannot leak."""
     yield
     try:
-        from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
+        from megatron.core.transformer.experimental_attention_variant.dsa import (
+            DSAIndexerLossAutoScaler,
+            DSAIndexerLossLoggingHelper,
+        )
 
         DSAIndexerLossLoggingHelper.tracker.clear()
+        # A bare backward creates this scale as a 0-d tensor; the schedules later copy a [1]-shaped
+        # one into it. Real training always sets it through the schedule first.
+        DSAIndexerLossAutoScaler.main_loss_backward_scale = None
     except ImportError:
         pass
     try:
