@@ -5,6 +5,8 @@ Runs from a bare checkout: puts the repo root on sys.path and registers ``kernel
 package ``hyscale_kernels`` when it is not installed.
 
     python bench/check_sparse_mla.py [--quick]
+    python bench/check_sparse_mla.py --resources   # no GPU needed: smem / registers / spills
+                                                   # of each swept config, compiled for sm_90a
 """
 
 from __future__ import annotations
@@ -161,18 +163,65 @@ def perf(T, S, N, K, fwd_cfgs, bwd_cfgs):
     return best
 
 
+FWD_CFGS = [dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
+            dict(block_h=64, block_k=32, num_warps=8, num_stages=2),
+            dict(block_h=32, block_k=32, num_warps=8, num_stages=2),
+            dict(block_h=32, block_k=64, num_warps=8, num_stages=2)]
+BWD_CFGS = [dict(block_h=32, block_k=16, num_warps=8, num_stages=2),
+            dict(block_h=16, block_k=32, num_warps=8, num_stages=1),
+            dict(block_h=32, block_k=32, num_warps=8, num_stages=1),
+            dict(block_h=16, block_k=16, num_warps=4, num_stages=1)]
+
+
+def resources(N=128, K=2048):
+    """Compile every swept config for sm_90a without a GPU; print smem, registers, spills."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hyscale_kernels.sparse_mla import kernel as km
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    common = dict(DQK=576, V=512, R=64, K=K, BLOCK_V=512, BLOCK_R=64, IEEE=False)
+    ptrs = dict(q="*bf16", kv="*bf16", idx="*i32")
+    kinds = (
+        ("fwd", km._sparse_mla_fwd_kernel, FWD_CFGS,
+         dict(ptrs, out="*bf16", lse="*fp32", scale_log2="fp32", N="i32"), {}),
+        ("bwd", km._sparse_mla_bwd_kernel, BWD_CFGS,
+         dict(ptrs, do="*bf16", lse="*fp32", delta="*fp32", dq="*bf16", dkv="*fp32", row0="i32",
+              scale="fp32", scale_log2="fp32", N="i32"), dict(DETERMINISTIC=False, N_HB=1)),
+    )
+    for name, fn, cfgs, sig, extra in kinds:
+        for cfg in cfgs:
+            const = dict(common, BLOCK_H=cfg["block_h"], BLOCK_K=cfg["block_k"], **extra)
+            try:
+                k = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const),
+                                   target=GPUTarget("cuda", 90, 32),
+                                   options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                    f.write(k.asm["ptx"])
+                r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                                   capture_output=True, text=True)
+                info = "; ".join(l.split(":", 1)[-1].strip() for l in r.stderr.splitlines()
+                                 if "Used" in l or "spill" in l)
+                mma = "wgmma" if "wgmma" in k.asm["ptx"] else "mma.sync"
+                say(f"{name} {cfg}: smem {k.metadata.shared} B ({mma}); {info}")
+            except Exception as ex:  # noqa: BLE001
+                say(f"{name} {cfg}: compile failed {type(ex).__name__}: {str(ex)[:160]}")
+
+
 def main():
+    if "--resources" in sys.argv:
+        return resources()
     quick = "--quick" in sys.argv
     say("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
     ok = check_sparse_mla(2048, 4096, 128, 2048)
     ok &= check_sparse_mla(1024, 2048, 24, 1000, deterministic=True)
     check_selected_scores()
-    fwd_cfgs = [dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
-                dict(block_h=64, block_k=32, num_warps=8, num_stages=2),
-                dict(block_h=128, block_k=32, num_warps=16, num_stages=2)]
-    bwd_cfgs = [dict(block_h=32, block_k=32, num_warps=8, num_stages=1),
-                dict(block_h=64, block_k=32, num_warps=8, num_stages=1),
-                dict(block_h=64, block_k=32, num_warps=16, num_stages=1)]
+    fwd_cfgs, bwd_cfgs = FWD_CFGS, BWD_CFGS
     if quick:
         fwd_cfgs, bwd_cfgs = fwd_cfgs[:1], bwd_cfgs[:1]
     say("perf (FLOPs counted on all topk slots, 2 per MAC):")

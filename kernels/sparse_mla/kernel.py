@@ -174,8 +174,15 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=64, n
 
 
 def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deterministic=False,
-                   block_h=None, block_k=32, num_warps=8, num_stages=1, buf_elems=1 << 27):
-    """Gradients (dq [T, N, Dqk] in q's dtype, dkv fp32 [S, Dqk]) from the saved out / lse."""
+                   block_h=None, block_k=16, num_warps=8, num_stages=2, buf_elems=1 << 27):
+    """Gradients (dq [T, N, Dqk] in q's dtype, dkv fp32 [S, Dqk]) from the saved out / lse.
+
+    Default tiles (32 heads x 16 keys) are the largest that fit sm_90 shared memory without
+    heavy spills: q and dO serve as both MMA operands here, so each needs two smem layouts
+    (64 heads x 32 keys needs 315 KB > 227 KB). ``bench/check_sparse_mla.py --resources``
+    reports smem / spills per config offline.
+    """
+    block_h = block_h or min(32, max(16, triton.next_power_of_2(q.shape[1])))
     T, N, DQK = q.shape
     S = kv.shape[0]
     dout = dout.to(q.dtype).contiguous()  # the kernel's dots need one operand dtype
