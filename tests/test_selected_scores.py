@@ -106,3 +106,16 @@ def test_gpu_bf16(relu):
         for a, b in zip(got, ref):
             scale = b[torch.isfinite(b)].abs().max()
             torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2 * float(scale))
+
+
+@pytest.mark.skipif(HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="the Triton tests above already ran in this process")
+def test_interpreter_in_subprocess():
+    """Triton was imported here without the interpreter: run the kernel tests in a fresh process."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                        "-k", "not subprocess and not gpu"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
