@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import resource
@@ -365,6 +366,19 @@ def replay_store_bytes() -> Optional[int]:
     return int(stats) if isinstance(stats, (int, float)) else None
 
 
+def _check_replay_store_empty(iteration: int) -> None:
+    """Every replay entry is consumed by its recompute within the step; leftovers mean a forward
+    ran without its backward. Clear them (logged once) so no stale indices survive the step."""
+    from . import replay  # noqa: PLC0415
+
+    store = replay.get_store()
+    if len(store):
+        logging.getLogger("hyscale_megatron").warning(
+            "iteration %d: replay store still holds %d entries (%s) after the step; clearing",
+            iteration, len(store), store.keys()[:4])
+        store.clear(warn=False)
+
+
 def peak_memory_bytes() -> int:
     if torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated())
@@ -587,6 +601,7 @@ def run_core_loop(args) -> list[dict]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         step_s = time.perf_counter() - t0
+        _check_replay_store_empty(it)
         # LM loss: sum and token count over every microbatch on every rank (only last stages add).
         stats = torch.zeros(2, dtype=torch.float64, device=_device())
         for rep in losses or []:
@@ -631,6 +646,7 @@ def _metrics_train_step(original, args):
             torch.cuda.synchronize()
         step_s = time.perf_counter() - t0
         state["it"] += 1
+        _check_replay_store_empty(state["it"])
         loss_dict = out[0] if isinstance(out, tuple) and out else {}
         lm = loss_dict.get("lm loss") if isinstance(loss_dict, dict) else None
         if isinstance(lm, torch.Tensor):
@@ -662,8 +678,8 @@ def run_pretrain(args) -> None:
     model_cfg = gpt_model_config(args)
     cfg = pretrain_cfg_container_from_args(args, model_cfg)
     saved = training.train_step
-    if args.hyscale_metrics_file:
-        training.train_step = _metrics_train_step(saved, args)
+    # always wrapped: it also checks that the replay store is empty after every step
+    training.train_step = _metrics_train_step(saved, args)
     try:
         pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
     finally:
