@@ -34,6 +34,8 @@ p.add_argument("--budget-s", type=float, default=480.0)
 p.add_argument("--out", default=os.environ.get("OUT", "/tmp/replay_out"))
 p.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "replay.csv"))
 p.add_argument("--cpu-smoke", action="store_true")
+p.add_argument("--model-sizes", default="", help="also time a small multi-layer GPT (full recompute) at these S")
+p.add_argument("--model-layers", type=int, default=2)
 args = p.parse_args()
 T0 = time.time()
 CPU = args.cpu_smoke or not torch.cuda.is_available()
@@ -168,13 +170,71 @@ for S in sizes:
         if not CPU:
             torch.cuda.empty_cache()
 
+
+
+def build_model(variant: str):
+    """A small GPT with real DSA attention shapes (hidden 2048, MLA 576/512, indexer 64x128, top-2048)."""
+    from hyscale_megatron.env import seed_all
+    from hyscale_megatron.models import build_gpt, mla_dsa_config
+
+    kw = dict(num_layers=args.model_layers, recompute_granularity="full", recompute_method="uniform",
+              recompute_num_layers=1, dsa_kernel_backend="tilelang" if variant == "stock-tilelang" else "none")
+    if not CPU:
+        kw.update(hidden_size=2048, ffn_hidden_size=4096, num_attention_heads=N, q_lora_rank=QLR, kv_lora_rank=KV,
+                  qk_head_dim=128, qk_pos_emb_head_dim=ROPE, v_head_dim=128, dsa_indexer_n_heads=H_I,
+                  dsa_indexer_head_dim=D_I, dsa_indexer_topk=TOPK, use_cpu_initialization=False)
+    stock_dsa.DSAIndexerLossLoggingHelper.tracker.clear()  # sized by num_layers on first use
+    seed_all(3)
+    cfg = mla_dsa_config(dtype=DTYPE, **kw)
+    hs = HyScaleConfig(replay=variant.endswith("-replay"))
+    m = build_gpt(cfg, use_hyscale=not variant.startswith("stock"), hyscale=hs, vocab_size=4096, max_seq=1 << 21)
+    return m.to(DEV).train()
+
+
+for S in ([64] if CPU and args.model_sizes else [int(s) for s in args.model_sizes.split(",") if s]):
+    for variant in args.variants.split(","):
+        if time.time() - T0 > args.budget_s:
+            results.append(dict(S=S, variant="model-" + variant, note="skipped (time budget)"))
+            continue
+        try:
+            m = build_model(variant)
+            g = torch.Generator(device=DEV).manual_seed(1)
+            tokens = torch.randint(0, 4096, (1, S), device=DEV, generator=g)
+            pos = torch.arange(S, device=DEV)[None]
+
+            def mstep():
+                m.zero_grad(set_to_none=True)
+                m(tokens, pos, None, labels=tokens.roll(-1, 1)).float().mean().backward()
+                replay.get_store().clear()
+                stock_dsa.DSAIndexerLossLoggingHelper.clean_loss_in_tracker()
+
+            CALLS["select"] = 0
+            mstep()
+            sel = CALLS["select"]
+            r = time_ms(mstep, warmup=1, min_iters=3, max_iters=8, target_ms=3000)
+            peak = peak_extra_bytes(mstep)
+            row = dict(kind="gpt_fwd_bwd_full_recompute", S=S, variant="model-" + variant, layers=args.model_layers,
+                       heads=N, index_heads=H_I, topk=TOPK, ms=r["ms"], p20=r["p20"], p80=r["p80"], iters=r["iters"],
+                       peak_extra_GiB=round(peak / 2**30, 3), hyscale_select_calls_per_step=sel, **info)
+            rows.append(row)
+            results.append(row)
+            print(f"[{time.time() - T0:6.1f}s] model {variant:18s} S={S:7d} {r['ms']:9.2f} ms", flush=True)
+            del m
+        except Exception as exc:  # noqa: BLE001
+            if not is_oom(exc):
+                traceback.print_exc()
+            results.append(dict(S=S, variant="model-" + variant, note=f"{type(exc).__name__}: {str(exc)[:160]}"))
+        if not CPU:
+            torch.cuda.empty_cache()
+
 by = {(r["S"], r["variant"]): r for r in results if "ms" in r}
 for r in results:
-    st = by.get((r["S"], "stock-tilelang"))
+    prefix = "model-" if r["variant"].startswith("model-") else ""
+    st = by.get((r["S"], prefix + "stock-tilelang"))
     if "ms" in r and st:
         r["speedup_vs_stock"] = round(st["ms"] / r["ms"], 2)
-    nr = by.get((r["S"], "hyscale-noreplay"))
-    if "ms" in r and nr and r["variant"] == "hyscale-replay":
+    nr = by.get((r["S"], prefix + "hyscale-noreplay"))
+    if "ms" in r and nr and r["variant"] == prefix + "hyscale-replay":
         r["replay_saves_ms"] = round(nr["ms"] - r["ms"], 1)
 os.makedirs(args.out, exist_ok=True)
 if not CPU:
