@@ -165,16 +165,23 @@ def perf(T, S, N, K, fwd_cfgs, bwd_cfgs):
 
 FWD_CFGS = [dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
             dict(block_h=64, block_k=32, num_warps=8, num_stages=2),
-            dict(block_h=32, block_k=32, num_warps=8, num_stages=2),
-            dict(block_h=32, block_k=64, num_warps=8, num_stages=2)]
-BWD_CFGS = [dict(block_h=32, block_k=16, num_warps=8, num_stages=2),
-            dict(block_h=16, block_k=32, num_warps=8, num_stages=1),
-            dict(block_h=32, block_k=32, num_warps=8, num_stages=1),
-            dict(block_h=16, block_k=16, num_warps=4, num_stages=1)]
+            dict(block_h=64, block_k=32, num_warps=8, num_stages=3),
+            dict(block_h=64, block_k=64, num_warps=16, num_stages=2)]
+DQ_CFGS = [dict(block_h=64, block_k=32, num_warps=8, num_stages=2),
+           dict(block_h=64, block_k=16, num_warps=8, num_stages=2),
+           dict(block_h=64, block_k=64, num_warps=16, num_stages=2),
+           dict(block_h=64, block_k=32, num_warps=16, num_stages=2)]
+DKV_CFGS = [dict(block_h=32, block_k=64, num_warps=8, num_stages=1),
+            dict(block_h=64, block_k=64, num_warps=8, num_stages=1),
+            dict(block_h=32, block_k=64, num_warps=8, num_stages=2),
+            dict(block_h=64, block_k=32, num_warps=8, num_stages=1),
+            dict(block_h=32, block_k=64, num_warps=16, num_stages=2)]
+FUSED_CFGS = [dict(block_h=32, block_k=16, num_warps=8, num_stages=2)]
+BWD_CFGS = DQ_CFGS  # back-compat name
 
 
-def resources(N=128, K=2048):
-    """Compile every swept config for sm_90a without a GPU; print smem, registers, spills."""
+def _compile_report(fn, sig, const, cfg):
+    """Compile one kernel config for sm_90a (no GPU needed) -> one report line."""
     import subprocess
     import tempfile
 
@@ -182,35 +189,55 @@ def resources(N=128, K=2048):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    # runtime specialization: 16-byte aligned pointers (torch allocations) and ints divisible by 16
+    names = list(fn.arg_names)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+             if t.startswith("*") or a in ("N",)}
+    k = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const, attrs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    info = "; ".join(l.split(":", 1)[-1].strip() for l in r.stderr.splitlines() if "Used" in l or "spill" in l)
+    ptx = k.asm["ptx"]
+    mma = "wgmma" if "wgmma" in ptx else "mma.sync"
+    red = "red.v4" if ("red.global.v4" in ptx or ".v4.f32" in ptx and "red." in ptx) else ("red" if "red." in ptx else "-")
+    return f"smem {k.metadata.shared} B ({mma}, atomics {red}, cp.async {'cp.async' in ptx}); {info}"
+
+
+def resources(N=128, K=2048):
+    """Compile every swept config for sm_90a without a GPU; print smem, registers, spills."""
     from hyscale_kernels.sparse_mla import kernel as km
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    common = dict(DQK=576, V=512, R=64, K=K, BLOCK_V=512, BLOCK_R=64, IEEE=False)
+    common = dict(DQK=576, V=512, R=64, K=K, BLOCK_V=512, BLOCK_R=64, IEEE=False, EVEN=True, BIG=False)
     ptrs = dict(q="*bf16", kv="*bf16", idx="*i32")
     kinds = (
         ("fwd", km._sparse_mla_fwd_kernel, FWD_CFGS,
-         dict(ptrs, out="*bf16", lse="*fp32", scale_log2="fp32", N="i32"), {}),
-        ("bwd", km._sparse_mla_bwd_kernel, BWD_CFGS,
+         dict(ptrs, out="*bf16", lse="*fp32", scale_log2="fp32", N="i32", N_HB="i32"), {}),
+        ("bwd_dq", km._sparse_mla_bwd_dq_kernel, DQ_CFGS,
+         dict(ptrs, o="*bf16", do="*bf16", lse="*fp32", dlse="*fp32", delta="*fp32", dq="*bf16",
+              scale="fp32", scale_log2="fp32", N="i32", N_HB="i32"), dict(HAS_DLSE=False)),
+        ("bwd_dkv", km._sparse_mla_bwd_dkv_kernel, DKV_CFGS,
+         dict(ptrs, do="*bf16", lse="*fp32", delta="*fp32", dkv="*fp32", row0="i32",
+              scale="fp32", scale_log2="fp32", N="i32", N_KB="i32"), dict(DETERMINISTIC=False)),
+        ("bwd_fused", km._sparse_mla_bwd_kernel, FUSED_CFGS,
          dict(ptrs, do="*bf16", lse="*fp32", delta="*fp32", dq="*bf16", dkv="*fp32", row0="i32",
-              scale="fp32", scale_log2="fp32", N="i32"), dict(DETERMINISTIC=False, N_HB=1)),
+              scale="fp32", scale_log2="fp32", N="i32", N_HB="i32"), dict(DETERMINISTIC=False)),
     )
+    only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")]
     for name, fn, cfgs, sig, extra in kinds:
+        if only and name not in only[0].split(","):
+            continue
         for cfg in cfgs:
             const = dict(common, BLOCK_H=cfg["block_h"], BLOCK_K=cfg["block_k"], **extra)
+            if name == "bwd_dkv":
+                const["NHB"] = -(-N // cfg["block_h"])
             try:
-                k = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const),
-                                   target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-                with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                    f.write(k.asm["ptx"])
-                r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                                   capture_output=True, text=True)
-                info = "; ".join(l.split(":", 1)[-1].strip() for l in r.stderr.splitlines()
-                                 if "Used" in l or "spill" in l)
-                mma = "wgmma" if "wgmma" in k.asm["ptx"] else "mma.sync"
-                say(f"{name} {cfg}: smem {k.metadata.shared} B ({mma}); {info}")
+                say(f"{name} {cfg}: " + _compile_report(fn, sig, const, cfg))
             except Exception as ex:  # noqa: BLE001
-                say(f"{name} {cfg}: compile failed {type(ex).__name__}: {str(ex)[:160]}")
+                say(f"{name} {cfg}: compile failed {type(ex).__name__}: {str(ex)[:300]}")
 
 
 def main():

@@ -54,3 +54,33 @@ def test_fused_loss_value_and_grads_match_reference(relu, per_token):
     torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-7)
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_fused_kl_no_valid_rows_mask_and_deterministic(deterministic):
+    """No query_valid_rows (mean over all rows), padded + fully masked rows, both dk reductions,
+    and the per-row KL op against the reference's row formula."""
+    from hyscale_kernels.indexer_loss.kl import kl_rows
+    from hyscale_kernels.indexer_loss.reference import _kl_rows, _masked_log_softmax
+
+    (q_idx, w, k_idx, query, kv, idx), v = _inputs(T=6, S=30, N=4, topk=10, seed=5)
+    outs = []
+    for fn in (sparse_indexer_loss, sparse_indexer_loss_reference):
+        leaves = [t.clone().requires_grad_() for t in (q_idx, w, k_idx)]
+        kw = dict(v_dim=v, deterministic=deterministic) if fn is sparse_indexer_loss else {}
+        loss = fn(*leaves, query, kv, idx, 0.3, 1.0, **kw)
+        loss.backward()
+        outs.append((loss.detach(), [t.grad for t in leaves]))
+    (l1, g1), (l2, g2) = outs
+    torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-7)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    # the row kernel alone: raw target (normalised inside), scores with -inf padding
+    g = torch.Generator().manual_seed(9)
+    tgt = torch.rand(6, 10, generator=g).to(DEV) * (idx >= 0)
+    tgt[2] = 0.0  # valid slots but zero target mass: kl 0
+    sc = torch.randn(6, 10, generator=g).to(DEV).masked_fill(idx < 0, float("-inf"))
+    kl, _, _ = kl_rows(tgt, sc, idx)
+    tn = tgt / tgt.sum(-1, keepdim=True).clamp_min(1e-10)
+    ref = _kl_rows(tn, _masked_log_softmax(sc, idx >= 0), None)
+    torch.testing.assert_close(kl, ref, rtol=1e-5, atol=1e-7)

@@ -92,9 +92,9 @@ def _selected_scores_fwd_kernel(
 
 @triton.jit
 def _selected_scores_bwd_kernel(
-    q, w, k, idx, g, dq, dw, dk, row0,
+    q, w, k, idx, g, dq, dw, dk, row0, sc, tg, r_lse, r_tsum, r_coef, eps,
     H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, DETERMINISTIC: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, KL: tl.constexpr,
 ):
     # query row; the program walks all its selected slots (K is constexpr: a static loop, which
     # the interpreter with numpy >= 2.5 needs; topk takes few values per model anyway)
@@ -106,9 +106,20 @@ def _selected_scores_bwd_kernel(
     b_q, b_w = _load_row(q, w, i_t, H, D, BLOCK_H, BLOCK_D)
     b_dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)  # [BLOCK_H, BLOCK_D]
     b_dw = tl.zeros([BLOCK_H], dtype=tl.float32)  # [BLOCK_H]
+    if KL:  # the KL gradient is recomputed per slot, never stored: coef * (softmax * sum(tn) - tn)
+        k_lse = tl.load(r_lse + i_t)
+        k_tsum = tl.load(r_tsum + i_t)
+        k_den = tl.maximum(k_tsum, eps)
+        k_tnsum = k_tsum / k_den
+        k_coef = tl.load(r_coef + i_t)
     for j0 in range(0, K, BLOCK_J):
         b_k, b_idx, m_j, o_j = _gather_keys(k, idx, i_t, j0, K, D, BLOCK_J, BLOCK_D)
-        b_g = tl.load(g + i_t.to(tl.int64) * K + o_j, mask=m_j, other=0.0)  # [BLOCK_J]
+        if KL:
+            b_sc = tl.load(sc + i_t.to(tl.int64) * K + o_j, mask=m_j, other=0.0)
+            b_tn = tl.load(tg + i_t.to(tl.int64) * K + o_j, mask=m_j, other=0.0) / k_den
+            b_g = tl.where(m_j, k_coef * (tl.exp(b_sc - k_lse) * k_tnsum - b_tn), 0.0)  # [BLOCK_J]
+        else:
+            b_g = tl.load(g + i_t.to(tl.int64) * K + o_j, mask=m_j, other=0.0)  # [BLOCK_J]
         if IEEE:
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_H, BLOCK_J]
         else:
@@ -159,7 +170,9 @@ def _triton_fwd(q, w, k, idx, relu: bool, block_j: int = 64):
 
 
 def _triton_bwd(q, w, k, idx, g, relu: bool, deterministic: bool, block_j: int = 32,
-                buf_elems: int = 1 << 26):
+                buf_elems: int = 1 << 26, kl=None):
+    """``kl=(scores, target, lse, tsum, coef)``: take g from the fused KL (``indexer_loss.kl``) instead of
+    a stored gradient tensor (``g`` is then None)."""
     T, H, D = q.shape
     S, K = k.shape[0], idx.shape[1]
     dq = _alloc(T, H, D, dtype=torch.float32, device=q.device)
@@ -168,15 +181,25 @@ def _triton_bwd(q, w, k, idx, g, relu: bool, deterministic: bool, block_j: int =
     if T == 0:
         return dq, dw, dk
     BLOCK_H, BLOCK_D = _blocks(H, D)
-    meta = dict(RELU=relu, IEEE=q.dtype == torch.float32, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_J=block_j)
+    meta = dict(RELU=relu, IEEE=q.dtype == torch.float32, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_J=block_j,
+                KL=kl is not None)
+    if kl is None:
+        z = dq
+        kl_args = (z, z, z, z, z, 0.0)
+    else:
+        from ..indexer_loss.kl import EPS  # noqa: PLC0415
+
+        g = kl[0]
+        kl_args = (*kl, EPS)
     if not deterministic:
-        _selected_scores_bwd_kernel[(T,)](q, w, k, idx, g, dq, dw, dk, 0, H, D, K, DETERMINISTIC=False, **meta)
+        _selected_scores_bwd_kernel[(T,)](q, w, k, idx, g, dq, dw, dk, 0, *kl_args, H, D, K, DETERMINISTIC=False,
+                                          **meta)
         return dq, dw, dk
     rows = max(1, min(T, buf_elems // max(1, K * D)))  # bounded [rows, K, D] contribution buffer
     buf = torch.empty(rows * K, D, dtype=torch.float32, device=q.device)
     for r0 in range(0, T, rows):
         r1 = min(T, r0 + rows)
-        _selected_scores_bwd_kernel[(r1 - r0,)](q, w, k, idx, g, dq, dw, buf, r0, H, D, K,
+        _selected_scores_bwd_kernel[(r1 - r0,)](q, w, k, idx, g, dq, dw, buf, r0, *kl_args, H, D, K,
                                                 DETERMINISTIC=True, **meta)
         deterministic_scatter_add_(dk, idx[r0:r1].reshape(-1), buf[: (r1 - r0) * K])
     return dq, dw, dk

@@ -1,0 +1,114 @@
+"""Fused sparse-stage KL: per-row KL(target || softmax(selected scores)) and its score gradient.
+
+Per row t over its selected slots j (valid where indices[t, j] >= 0):
+
+    tn[t, j]  = target[t, j] / max(sum_j target[t, j], EPS)          (L1 normalisation, fused here)
+    lse[t]    = logsumexp_{valid j} scores[t, j]
+    kl[t]     = mask[t] * sum_{valid j} tn * (log(max(tn, EPS)) - (scores - lse))
+    d kl[t] / d scores[t, j] = mask[t] * (softmax_j * sum_j tn - tn_j)            (0 at padding)
+
+Exactly the reference's ``_kl_rows(target, _masked_log_softmax(scores, valid), row_mask)`` (a row
+with no valid slot has kl = 0 and no gradient). The forward kernel reads target and scores once
+and writes only per-row values [T] (kl, lse, sum of tn); the gradient is never materialised: the
+selected-scores backward kernel recomputes it per slot from (scores, target, row stats)
+(``selected_scores._triton_bwd(..., kl=...)``). Live [T, topk] fp32 tensors: target and scores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+EPS = 1e-10
+
+
+@triton.jit
+def _kl_rows_kernel(target, scores, idx, mask, kl, lse_out, tsum_out, eps,
+                    K: tl.constexpr, BLOCK_J: tl.constexpr, HAS_MASK: tl.constexpr):
+    i_t = tl.program_id(0)
+    base = i_t.to(tl.int64) * K
+    # pass 1: target sum and score max / sum-exp (online) over the valid slots
+    b_ts = tl.zeros([BLOCK_J], dtype=tl.float32)
+    b_m = tl.full([BLOCK_J], -float("inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_J], dtype=tl.float32)
+    for j0 in range(0, K, BLOCK_J):
+        o_j = j0 + tl.arange(0, BLOCK_J)
+        m_j = tl.load(idx + base + o_j, mask=o_j < K, other=-1) >= 0
+        b_t = tl.load(target + base + o_j, mask=m_j, other=0.0)
+        b_s = tl.load(scores + base + o_j, mask=m_j, other=-float("inf"))
+        b_ts += b_t
+        m_new = tl.maximum(b_m, b_s)
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        b_l = b_l * tl.exp(b_m - m_safe) + tl.exp(b_s - m_safe)
+        b_m = m_new
+    tsum = tl.sum(b_ts, axis=0)
+    m = tl.max(b_m, axis=0)
+    m_safe = tl.where(m == -float("inf"), 0.0, m)
+    l = tl.sum(b_l * tl.exp(b_m - m_safe), axis=0)
+    lse = m_safe + tl.log(tl.maximum(l, 1e-30))
+    den = tl.maximum(tsum, eps)
+    # pass 2: KL terms
+    b_kl = tl.zeros([BLOCK_J], dtype=tl.float32)
+    for j0 in range(0, K, BLOCK_J):
+        o_j = j0 + tl.arange(0, BLOCK_J)
+        m_j = tl.load(idx + base + o_j, mask=o_j < K, other=-1) >= 0
+        b_t = tl.load(target + base + o_j, mask=m_j, other=0.0) / den
+        b_s = tl.load(scores + base + o_j, mask=m_j, other=0.0)
+        term = b_t * (tl.log(tl.maximum(b_t, eps)) - (b_s - lse))
+        b_kl += tl.where(m_j, term, 0.0)
+    r = tl.sum(b_kl, axis=0)
+    if HAS_MASK:
+        r = r * tl.load(mask + i_t)
+    tl.store(kl + i_t, r)
+    tl.store(lse_out + i_t, lse)
+    tl.store(tsum_out + i_t, tsum)
+
+
+def kl_rows(target: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor, row_mask=None):
+    """-> (kl [T] masked, lse [T], tsum [T] = sum of the raw target); all fp32."""
+    T, K = target.shape
+    kl = torch.empty(T, dtype=torch.float32, device=target.device)
+    lse = torch.empty_like(kl)
+    den = torch.empty_like(kl)
+    if T == 0:
+        return kl, lse, den
+    block = min(1024, max(16, triton.next_power_of_2(K)))
+    if not target.is_cuda:
+        block = min(block, 64)
+    m = row_mask.contiguous().float() if row_mask is not None else kl
+    _kl_rows_kernel[(T,)](target, scores, indices, m, kl, lse, den, EPS, K=K, BLOCK_J=block,
+                          HAS_MASK=row_mask is not None, num_warps=4)
+    return kl, lse, den
+
+
+class _SparseKL(torch.autograd.Function):
+    """kl[t] (masked) from (q_idx, w, k_idx) through the selected scores; target is a constant."""
+
+    @staticmethod
+    def forward(ctx, q, w, k, indices, target, row_mask, relu, deterministic):
+        from ..hytopk.selected_scores import _triton_fwd  # noqa: PLC0415
+
+        scores = _triton_fwd(q, w, k, indices, relu)  # [T, topk] fp32
+        kl, lse, den = kl_rows(target, scores, indices, row_mask)
+        ctx.save_for_backward(q, w, k, indices, target, scores, lse, den,
+                              row_mask if row_mask is not None else lse.new_ones(0))
+        ctx.relu, ctx.deterministic, ctx.has_mask = relu, deterministic, row_mask is not None
+        return kl
+
+    @staticmethod
+    def backward(ctx, g_rows):
+        from ..hytopk.selected_scores import _triton_bwd  # noqa: PLC0415
+
+        q, w, k, indices, target, scores, lse, den, row_mask = ctx.saved_tensors
+        coef = g_rows.float() * (row_mask.float() if ctx.has_mask else 1.0)  # d loss / d kl_unmasked[t]
+        dq, dw, dk = _triton_bwd(q, w, k, indices, None, ctx.relu, ctx.deterministic,
+                                 kl=(scores, target, lse, den, coef.contiguous()))
+        return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None, None, None, None
+
+
+def sparse_kl(q_idx, w, k_idx, indices, target, row_mask=None, relu: bool = True, deterministic: bool = False):
+    """Per-row masked KL [T] of the indexer's selected-score softmax against ``target`` (raw head-summed
+    attention probabilities, normalised here); differentiable in q_idx, w, k_idx."""
+    return _SparseKL.apply(q_idx.contiguous(), w.contiguous(), k_idx.contiguous(), indices.contiguous(),
+                           target.contiguous(), row_mask, relu, deterministic)
