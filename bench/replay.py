@@ -130,6 +130,14 @@ def make_step(m, tensors, ckpt: bool):
 
 
 rows, results = [], []
+
+
+def _save(row):
+    """Append each measurement as soon as it exists: a run cut short still leaves its rows."""
+    if not CPU:
+        os.makedirs(args.out, exist_ok=True)
+        append_csv(os.path.join(args.out, "replay.csv"), [row])
+
 info = env_info()
 variants = args.variants.split(",") + (["hyscale-replay-nockpt"] if args.no_ckpt else [])
 sizes = [128, 256] if CPU else [int(s) for s in args.sizes.split(",")]
@@ -158,6 +166,7 @@ for S in sizes:
                        replay_peak_MiB=round(replay.store_stats()["peak_bytes"] / 2**20, 2), **info)
             rows.append(row)
             results.append(row)
+            _save(row)
             print(f"[{time.time() - T0:6.1f}s] {variant:24s} S={S:7d} {r['ms']:9.2f} ms  peak {row['peak_extra_GiB']} GiB",
                   flush=True)
             del m, tensors, step
@@ -218,6 +227,7 @@ for S in ([64] if CPU and args.model_sizes else [int(s) for s in args.model_size
                        peak_extra_GiB=round(peak / 2**30, 3), hyscale_select_calls_per_step=sel, **info)
             rows.append(row)
             results.append(row)
+            _save(row)
             print(f"[{time.time() - T0:6.1f}s] model {variant:18s} S={S:7d} {r['ms']:9.2f} ms", flush=True)
             del m
         except Exception as exc:  # noqa: BLE001
@@ -238,7 +248,6 @@ for r in results:
         r["replay_saves_ms"] = round(nr["ms"] - r["ms"], 1)
 os.makedirs(args.out, exist_ok=True)
 if not CPU:
-    append_csv(os.path.join(args.out, "replay.csv"), rows)
     append_csv(args.csv, rows)
 tbl = markdown_table(results, ["S", "variant", "ms", "p20", "p80", "peak_extra_GiB", "speedup_vs_stock",
                                "replay_saves_ms", "hyscale_select_calls_per_step", "note"])

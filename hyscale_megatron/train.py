@@ -665,6 +665,18 @@ def _metrics_train_step(original, args):
     return train_step
 
 
+def _single_process_rendezvous() -> None:
+    """Outside torchrun (one GPU, ``python -m hyscale_megatron.train``), Megatron's env://
+    rendezvous still needs MASTER_ADDR/PORT, RANK, WORLD_SIZE and LOCAL_RANK: default them."""
+    if "WORLD_SIZE" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ or not torch.cuda.is_available():
+        return
+    from .env import _free_port  # noqa: PLC0415
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+
 def run_pretrain(args) -> None:
     """Back-end (a): Megatron's ``pretrain`` for GPT with our spec and overlays."""
     from megatron.core.enums import ModelType  # noqa: PLC0415
@@ -674,6 +686,7 @@ def run_pretrain(args) -> None:
     from hyscale_patches import training_compat  # noqa: PLC0415
 
     training_compat.apply()
+    _single_process_rendezvous()
     install_hyscale_config(args)
     model_cfg = gpt_model_config(args)
     cfg = pretrain_cfg_container_from_args(args, model_cfg)
