@@ -174,8 +174,8 @@ DQ_CFGS = [dict(block_h=64, block_k=32, num_warps=8, num_stages=2),
 DKV_CFGS = [dict(block_h=32, block_k=64, num_warps=8, num_stages=1),
             dict(block_h=64, block_k=64, num_warps=8, num_stages=1),
             dict(block_h=32, block_k=64, num_warps=8, num_stages=2),
-            dict(block_h=64, block_k=32, num_warps=8, num_stages=1),
-            dict(block_h=32, block_k=64, num_warps=16, num_stages=2)]
+            dict(block_h=32, block_k=32, num_warps=8, num_stages=1),
+            dict(block_h=16, block_k=64, num_warps=8, num_stages=2)]
 FUSED_CFGS = [dict(block_h=32, block_k=16, num_warps=8, num_stages=2)]
 BWD_CFGS = DQ_CFGS  # back-compat name
 

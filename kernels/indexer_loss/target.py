@@ -19,12 +19,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _target_kernel(q, kv, idx, lse, tgt, scale_log2, N,
+def _target_kernel(q, kv, idx, lse, tgt, scale_log2, N, N_HB,
                    DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
                    IEEE: tl.constexpr, ATOMIC: tl.constexpr):
-    i_t = tl.program_id(0)  # query token
-    i_h = tl.program_id(1)  # head block
+    pid = tl.program_id(0)
+    i_t = pid // N_HB  # query token
+    i_h = pid % N_HB  # head block (fastest: the head blocks of a token share its gathers in L2)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     m_h = o_h < N
     o_v = tl.arange(0, BLOCK_V)
@@ -85,9 +86,9 @@ def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torc
     if T == 0 or K == 0:
         return tgt.zero_()
     R = DQK - v_dim
-    _target_kernel[(T, n_hb)](
+    _target_kernel[(T * n_hb,)](
         query.contiguous(), kv.contiguous(), indices.contiguous(), lse.contiguous(), tgt,
-        float(softmax_scale) * LOG2E, N, DQK=DQK, V=v_dim, R=R, K=K, BLOCK_H=block_h,
+        float(softmax_scale) * LOG2E, N, n_hb, DQK=DQK, V=v_dim, R=R, K=K, BLOCK_H=block_h,
         BLOCK_K=16 if interp else 32, BLOCK_V=_pow2(v_dim), BLOCK_R=max(16, _pow2(max(R, 1))),
         IEEE=query.dtype == torch.float32, ATOMIC=n_hb > 1, num_warps=4 if interp else 8,
     )

@@ -14,7 +14,7 @@ registers, and the loads stay eligible for cp.async pipelining.
 Forward: online softmax in base 2 (exp2 with the scale folded into log2e); writes out and the
 natural-log LSE.
 
-Backward (default, "split"): two kernels, both with large MMA tiles and no cross-head atomics.
+Backward, "split" (``split=True``): two kernels, both with large MMA tiles and no cross-head atomics.
   1. dq kernel, one program per (token, head block): delta = rowsum(O * dO) - dlse computed in
      the prologue (and stored for kernel 2), then per key tile P = exp2(S - lse) from the saved
      LSE, dP = dO V^T, dS = P (dP - delta), dq += dS K. No atomics.
@@ -24,8 +24,8 @@ Backward (default, "split"): two kernels, both with large MMA tiles and no cross
      ``deterministic=True``, writes it to a bounded per-slot buffer reduced in sorted order.
   The split recomputes S and dP once more (3840 instead of 2752 MACs per head-key) but keeps
   one dkv row update per (token, key) whatever the head count.
-``split=False`` runs the older fused kernel (one program per token and head block, dkv atomics
-per head block), kept for comparison.
+``split=False`` (the default until the split one is timed on the GPU) runs the fused kernel: one
+program per token and block of 32 heads, dkv atomics per head block (mma.sync: M = 32 < 64).
 """
 
 from __future__ import annotations
@@ -308,9 +308,11 @@ def _block_h(N: int, block_h=None, cap: int = 64) -> int:
 
 # Defaults per head count (BLOCK_H, BLOCK_K, num_warps, num_stages); chosen from
 # bench/sparse_attn.py sweeps on the H200 (see bench/NOTES_sparse_mla.md).
-FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2)
+# Offline (sm_90a ptxas, bench/check_sparse_mla.py --resources): fwd 64x32/8 warps/2 stages has no
+# spills (147 KB smem); 64x64 needs 221 KB and spills. Not yet timed on the GPU: see NOTES.
+FWD_CFG = dict(block_k=32, num_warps=8, num_stages=2)
 BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2)
-BWD_DKV_CFG = dict(block_h=32, block_k=64, num_warps=8, num_stages=1)
+BWD_DKV_CFG = dict(block_h=32, block_k=32, num_warps=8, num_stages=1)
 BWD_FUSED_CFG = dict(block_h=32, block_k=16, num_warps=8, num_stages=2)
 
 
@@ -332,11 +334,12 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None,
     return out, lse
 
 
-def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deterministic=False, split=True,
+def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deterministic=False, split=False,
                    dq_cfg=None, dkv_cfg=None, fused_cfg=None, buf_elems=1 << 27):
     """Gradients (dq [T, N, Dqk] in q's dtype, dkv fp32 [S, Dqk]) from the saved out / lse.
 
-    ``split=True`` (default): dq kernel + per-token dkv kernel (see the module docstring).
+    ``split=True``: dq kernel + per-token dkv kernel (see the module docstring). The default is still
+    the fused kernel (the structure already run on the H200) until bench/sparse_attn.py has timed both.
     ``*_cfg``: dicts of block_h / block_k / num_warps / num_stages overriding the defaults.
     ``bench/check_sparse_mla.py --resources`` reports smem / spills per config offline.
     """
