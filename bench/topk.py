@@ -35,6 +35,8 @@ ROOT = _path.setup()
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from dataclasses import replace  # noqa: E402
+
 import torch  # noqa: E402
 import triton  # noqa: E402
 
@@ -283,6 +285,7 @@ SWEEP = [
     Config(block_n=64, rows_x_heads=128, num_warps=4, num_stages=3, programs_per_sm=2),
     Config(block_n=128, rows_x_heads=128, num_warps=8, num_stages=2, programs_per_sm=1),
     Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=3, programs_per_sm=2),
+    Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=2, programs_per_sm=2, search_bits=2),
 ]
 BEST = {}
 if "sweep" in args.parts:
@@ -294,7 +297,7 @@ if "sweep" in args.parts:
         q, w, k = make_inputs(T, Sk, H)
         st, en = causal(T, ratio)
         fl = flops(st, en, H)
-        sweep = SWEEP if H == 64 else [SWEEP[0], SWEEP[2], SWEEP[1]]
+        sweep = SWEEP if H == 64 else [SWEEP[0], SWEEP[2], SWEEP[1], replace(SWEEP[2], search_bits=2)]
         for i, cfg in enumerate([None] if args.smoke else sweep):
             if left() < 200:
                 log("sweep: time budget, stopping")

@@ -142,15 +142,17 @@ def test_packed_segments_and_determinism():
 
 
 @interp
-def test_block_rows_config():
-    """A different launch shape (more rows per program, bigger tiles) gives the same sets."""
+@pytest.mark.parametrize("search_bits", [1, 2])
+def test_block_rows_config(search_bits):
+    """Other launch shapes (more rows per program, bigger tiles, 2-bit radix passes): same sets."""
     T, S, H, topk = 19, 70, 4, 8
     q, w, k = _inputs(T, S, H, seed=13)
+    w[3] = -w[3].abs()
     st, en = causal_bounds(T, S, offset=S - T)
     cfg = Config(block_n=32, rows_x_heads=16, num_warps=1, num_stages=1, programs_per_sm=1,
-                 min_free_tiles=1, sel_chunk=64)
-    idx = hytopk(q, w, k, st, en, topk, config=cfg)
-    assert_same_selection(q, w, k, st, en, topk, True, idx)
+                 min_free_tiles=1, sel_chunk=64, search_bits=search_bits)
+    idx, val = hytopk(q, w, k, st, en, topk, relu=False, return_scores=True, config=cfg)
+    assert_same_selection(q, w, k, st, en, topk, False, idx, val)
 
 
 def test_interpreter_in_subprocess():

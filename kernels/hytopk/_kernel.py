@@ -71,9 +71,52 @@ def _kth_key(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: 
 
 
 @triton.jit
+def _count_ge3(key_rows, cnt, b1, b2, b3, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
+    """Per row: how many of its cnt buffered keys are >= b1, >= b2, >= b3 (each [R]).
+
+    The chunk loop is unrolled so that all of a pass's loads are in flight together (the
+    buffer sits in L2: one latency per pass, not one per chunk).
+    """
+    c1 = tl.zeros([R, CHUNK], dtype=tl.int32)  # [R, CHUNK] partial counts
+    c2 = tl.zeros([R, CHUNK], dtype=tl.int32)
+    c3 = tl.zeros([R, CHUNK], dtype=tl.int32)
+    for i_c in tl.static_range(0, CAP, CHUNK):
+        o_cc = i_c + o_h  # [CHUNK]
+        m_v = o_cc[None, :] < cnt[:, None]  # [R, CHUNK]
+        b_k = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=INT32_MIN)  # [R, CHUNK]
+        c1 += (b_k >= b1[:, None]).to(tl.int32)
+        c2 += (b_k >= b2[:, None]).to(tl.int32)
+        c3 += (b_k >= b3[:, None]).to(tl.int32)
+    return tl.sum(c1, axis=1), tl.sum(c2, axis=1), tl.sum(c3, axis=1)
+
+
+@triton.jit
+def _kth_key2(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
+    """_kth_key with two bits per pass (16 + 1 passes instead of 32) over unrolled chunks.
+
+    Radix select two bits per pass from the top, in the biased (unsigned-order) domain: keep
+    the largest prefix with at least kk keys >= it. Padding (INT32_MIN) never counts: every
+    candidate bound is above it. Bit 0 is decided in a last one-candidate pass.
+    """
+    pre = tl.zeros_like(cnt)  # [R] biased prefix
+    one = tl.full([R], 1, dtype=tl.int32)  # int32 shifts: bit 31 wraps to INT32_MIN, as meant
+    for i_b in range(30, 0, -2):  # bits (i_b + 1, i_b)
+        a1 = pre | (one << i_b)
+        a2 = pre | ((one << i_b) << 1)
+        a3 = a2 | a1
+        n1, n2, n3 = _count_ge3(key_rows, cnt, a1 ^ INT32_MIN, a2 ^ INT32_MIN, a3 ^ INT32_MIN, o_h,
+                                R, CAP, CHUNK)
+        pre = tl.where(n3 >= kk, a3, tl.where(n2 >= kk, a2, tl.where(n1 >= kk, a1, pre)))
+    a1 = pre | 1
+    n1, n2, n3 = _count_ge3(key_rows, cnt, a1 ^ INT32_MIN, a1 ^ INT32_MIN, a1 ^ INT32_MIN, o_h, R, CAP, CHUNK)
+    pre = tl.where(n1 >= kk, a1, pre)
+    return pre ^ INT32_MIN
+
+
+@triton.jit
 def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                   FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr,
-                  CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr, SEARCH2: tl.constexpr):
     """Keep each row's exact top-kk of its buffer (all of it where cnt <= kk), stably.
 
     key_rows/idx_rows: [R] pointers to the rows' buffers. dst_*: [R] row pointers of the
@@ -85,7 +128,10 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     kth = tl.full([R], INT32_MIN, dtype=tl.int32)
     n_eq = tl.full([R], CAP, dtype=tl.int32)  # keys equal to kth still to keep
     if tl.max(cnt, axis=0) > kk:
-        kth = tl.where(need, _kth_key(key_rows, cnt, kk, o_h, R, CAP, CHUNK), INT32_MIN)
+        if SEARCH2:
+            kth = tl.where(need, _kth_key2(key_rows, cnt, kk, o_h, R, CAP, CHUNK), INT32_MIN)
+        else:
+            kth = tl.where(need, _kth_key(key_rows, cnt, kk, o_h, R, CAP, CHUNK), INT32_MIN)
         n_gt = _count_ge(key_rows, cnt, kth + 1, o_h, R, CAP, CHUNK)  # kth < INT32_MAX always
         n_eq = tl.where(need, kk - n_gt, CAP)
     # stable rewrite, chunk by chunk: an entry only moves down, past chunks already read
@@ -162,7 +208,7 @@ def hytopk_kernel(
     H: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, R: tl.constexpr,
     BLOCK_N: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr,
     RELU: tl.constexpr, SELECT: tl.constexpr, WRITE_SCORES: tl.constexpr, IEEE: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     RH: tl.constexpr = R * H
@@ -207,7 +253,7 @@ def hytopk_kernel(
                 if CAP - tl.max(cnt, axis=0) < MIN_FREE:
                     tl.debug_barrier()  # appends of earlier tiles visible to all threads
                     kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
-                                        False, False, R, CAP, CHUNK)
+                                        False, False, R, CAP, CHUNK, SEARCH2)
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(cnt, kk)
                 n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
@@ -229,7 +275,7 @@ def hytopk_kernel(
             tl.debug_barrier()
             o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
             _select_store(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
-                          True, WRITE_SCORES, R, CAP, CHUNK)
+                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2)
             # -1 / -inf padding after the kept entries
             n_keep = tl.minimum(cnt, kk)  # [R]
             o_h = tl.arange(0, CHUNK)

@@ -36,6 +36,7 @@ class Config:
     cap_mult: int = 2  # candidate slots per row = cap_mult * topk (power of two, >= topk + 2*min free)
     min_free_tiles: int = 4  # compact a row block's buffers when fewer free slots than this many tiles
     sel_chunk: int = 2048  # R * CHUNK elements per step of the select
+    search_bits: int = 1  # radix-select bits per counting pass: 1 (measured) or 2 (unrolled, unmeasured)
 
 
 def _pow2_ceil(x: int) -> int:
@@ -90,7 +91,7 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
         T, S, topk, n_blocks, n_prog,
         H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
         RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(select and return_scores),
-        IEEE=q.dtype == torch.float32, WHILE_LOOPS=interp,
+        IEEE=q.dtype == torch.float32, WHILE_LOOPS=interp, SEARCH2=cfg.search_bits == 2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not select:
