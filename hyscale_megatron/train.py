@@ -146,6 +146,9 @@ def parse_train_args(argv: Sequence[str], fresh: bool = True):
 def _finish_args(args) -> None:
     if args.data_path is None and getattr(args, "train_data_path", None) is None and not args.mock_data:
         args.mock_data = True
+    if getattr(args, "eval_interval", None) is None and getattr(args, "train_iters", None):
+        # megatron-core 0.19.2's pretrain divides by eval_interval (default None): evaluate once, at the end.
+        args.eval_interval = args.train_iters
     hs = hyscale_config_from_args(args)
     if getattr(args, "experimental_attention_variant", None) == "dsa":
         if args.spec is None:

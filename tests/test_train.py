@@ -162,3 +162,13 @@ def test_launch_scripts_differ_only_in_spec_and_hyscale_flags():
     assert [a.split("=")[0] for a, _ in diff] == ["SPEC", "HYSCALE_ARGS"]
     assert "stock_block_spec" in diff[0][0] and "hyscale_block_spec" in diff[0][1]
     assert diff[1][0] == 'HYSCALE_ARGS="--no-hyscale"' and "--hyscale " in diff[1][1]
+
+
+def test_eval_interval_defaults_for_pretrain():
+    """Megatron 0.19.2's pretrain computes train_iters // eval_interval: it must not stay None."""
+    from hyscale_megatron import train
+
+    args = train.parse_train_args([TINY, "--train-iters", "7"])
+    assert args.eval_interval == 7
+    args = train.parse_train_args([TINY, "--eval-interval", "3"])
+    assert args.eval_interval == 3
