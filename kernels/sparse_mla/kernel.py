@@ -385,14 +385,22 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     return dq, dkv
 
 
+def _delta_(delta, out, dout, lse, dlse, rows: int = 4096):
+    """delta[t, h] = sum_v out * dout (- dlse), in row chunks: fp32 copies of out/dout for all rows
+    would be 2 x [T, N, V] fp32 (2 GiB at 32K tokens, 16 heads)."""
+    for r0 in range(0, delta.shape[0], rows):
+        r1 = min(delta.shape[0], r0 + rows)
+        d = (out[r0:r1].float() * dout[r0:r1].float()).sum(-1)
+        if dlse is not None:
+            d = d - dlse[r0:r1].float()
+        delta[r0:r1] = torch.where(torch.isfinite(lse[r0:r1]), d, torch.zeros_like(d))
+
+
 def _bwd_fused(q, kv, idx, out, lse, dout, dlse, delta, dq, dkv, args, meta, deterministic, cfg, interp,
                buf_elems):
     T, N, DQK = q.shape
     K = idx.shape[1]
-    d = (out.float() * dout.float()).sum(-1)
-    if dlse is not None:
-        d = d - dlse.float()
-    delta.copy_(torch.where(torch.isfinite(lse), d, torch.zeros_like(d)))
+    _delta_(delta, out, dout, lse, dlse)
     bh = min(cfg.get("block_h") or 32, _block_h(N, None, 32))
     n_hb = triton.cdiv(N, bh)
     launch = dict(BLOCK_H=bh, BLOCK_K=16 if interp else cfg["block_k"], **meta,
