@@ -176,8 +176,9 @@ def _is_progress(line: str) -> bool:
         or line.startswith("Traceback")
 
 
-def run_one(name: str, cmd: list[str], out: Path) -> float:
-    """Run one training subprocess, echoing its progress lines; returns wall seconds."""
+def run_process(name: str, cmd: list[str], out: Path, prog: str = "hyscale-compare") -> tuple[int, float, list[str]]:
+    """Run one training subprocess, echoing its progress lines, its full log in ``OUT/NAME.log``
+    (``OUT/NAME.jsonl``, its metrics file, removed first); returns (exit code, wall seconds, last log lines)."""
     log_path = out / f"{name}.log"
     metrics = out / f"{name}.jsonl"
     if metrics.exists():
@@ -185,7 +186,7 @@ def run_one(name: str, cmd: list[str], out: Path) -> float:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for key in _DIST_ENV:  # a fresh rendezvous per run; never reuse the caller's process-group port
         env.pop(key, None)
-    print(f"[hyscale-compare] {name}: {shlex.join(cmd)}", flush=True)
+    print(f"[{prog}] {name}: {shlex.join(cmd)}", flush=True)
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
@@ -197,10 +198,15 @@ def run_one(name: str, cmd: list[str], out: Path) -> float:
             if _is_progress(line):
                 print(f"[{name}] {line.rstrip()}", flush=True)
         rc = proc.wait()
-    wall = time.perf_counter() - t0
+    return rc, time.perf_counter() - t0, tail
+
+
+def run_one(name: str, cmd: list[str], out: Path) -> float:
+    """Run one training subprocess, echoing its progress lines; returns wall seconds."""
+    rc, wall, tail = run_process(name, cmd, out)
     if rc != 0:
         sys.stderr.write("".join(tail))
-        raise RuntimeError(f"the {name} run failed with exit code {rc}; full log: {log_path}")
+        raise RuntimeError(f"the {name} run failed with exit code {rc}; full log: {out / f'{name}.log'}")
     print(f"[hyscale-compare] {name}: done in {wall:.1f} s", flush=True)
     return wall
 

@@ -1,0 +1,335 @@
+"""``hyscale-longest``: the longest sequence stock DSA and HyScale can train, one length at a time.
+
+Usage::
+
+    hyscale-longest --out runs/longest                                  # one H200, DeepSeek-V3.2-like
+    hyscale-longest --out runs/longest @configs/glm51_1gpu.args --seq-lengths 65536,262144
+    hyscale-longest --out runs/tiny --seq-lengths 64,128 --iters 2 @configs/tiny_cpu.args   # CPU demo
+
+Trains the config (default ``@configs/deepseek_v32_1gpu.args`` when no ``@FILE`` is given; other
+unknown arguments are ``hyscale-train`` / Megatron flags shared by every run) for ``--iters``
+iterations (default 3) at each of ``--seq-lengths`` (default 32768,131072,524288,1048576), with
+full activation recompute and HyScale's selection replay, for stock DSA and for HyScale. Each
+(kind, length) is a separate subprocess with ``--seq-length L --max-position-embeddings L``
+appended, built and run by ``hyscale-compare``'s own functions (``run_commands``: same spec
+choice, stock at its best available backend, ``--stock-backend`` to override; ``run_process``:
+the subprocess runner with visible progress). Per length, stock runs first, then HyScale.
+
+A kind stops at its first out-of-memory: a log that contains ``torch.OutOfMemoryError``,
+``CUDA out of memory`` or ``out of memory``, or a process killed by SIGKILL (the kernel's OOM
+killer: return code -9, or 137 through a shell or launcher). Any other non-zero exit (or a run
+that logged no iteration) is reported as ``error`` with its first error line, stops that kind
+too, and makes the command exit 1.
+
+Writes into ``--out``: ``longest.csv`` (kind, seq_len, status ok/oom/error, median_step_ms,
+tokens_per_s, peak_mem_bytes, replay_store_bytes, error), ``longest.md`` (table and "stock's
+longest trainable length: X; HyScale's: Y") and ``L<seq_len>/{stock,hyscale}.{log,jsonl}``.
+
+Refuses (exit 2, nothing run) what ``hyscale-compare`` refuses, configs without full recompute
+(``--recompute-granularity full``) and ``--no-hyscale-replay``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import shlex
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from . import compare
+from .train import TrainConfigError, expand_arg_files
+
+PROG = "hyscale-longest"
+KINDS = compare.RUNS  # ("stock", "hyscale"): stock first at each length
+DEFAULT_SEQ_LENGTHS = (32768, 131072, 524288, 1048576)
+DEFAULT_CONFIG = "configs/deepseek_v32_1gpu.args"
+CSV_FIELDS = ("kind", "seq_len", "status", "median_step_ms", "tokens_per_s", "peak_mem_bytes", "replay_store_bytes",
+              "error")
+OOM_PATTERNS = (re.compile(r"torch\.(cuda\.)?OutOfMemoryError"), re.compile(r"CUDA out of memory"),
+                re.compile(r"out of memory", re.IGNORECASE))
+# SIGKILL: what the kernel's OOM killer sends; -9 from Popen, 128 + 9 when a shell/launcher reports it
+OOM_KILL_CODES = (-int(signal.SIGKILL), 128 + int(signal.SIGKILL))
+_ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit))(:.*)?$")
+
+# runner(kind, cmd, run_dir) -> exit code; writes run_dir/KIND.log and run_dir/KIND.jsonl
+Runner = Callable[[str, list, Path], int]
+
+
+class LongestRefused(ValueError):
+    """The requested sweep cannot show what it is for; the message says why."""
+
+
+# ----------------------------------------------------------------------------- options
+def _seq_lengths(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seq-lengths wants comma-separated integers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"--seq-lengths wants positive integers, got {text!r}")
+    return sorted(set(vals))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, allow_abbrev=False,
+        description="Train stock DSA and HyScale at increasing sequence lengths (full recompute + replay) "
+                    "until each runs out of memory. Unknown arguments are hyscale-train / Megatron flags shared "
+                    f"by every run (default config: @{DEFAULT_CONFIG}).")
+    p.add_argument("--out", default="runs/longest", help="Output directory (default runs/longest).")
+    p.add_argument("--seq-lengths", type=_seq_lengths, default=list(DEFAULT_SEQ_LENGTHS),
+                   help="Comma-separated sequence lengths, tried in increasing order "
+                        "(default 32768,131072,524288,1048576).")
+    p.add_argument("--iters", type=int, default=3, help="Training iterations per run (default 3).")
+    p.add_argument("--stock-backend", choices=("auto", "none", "tilelang", "cudnn"), default="auto",
+                   help="Stock DSA kernel backend, as in hyscale-compare (auto: tilelang on CUDA when importable).")
+    p.add_argument("--hyscale-args", default="", help="Extra --hyscale-* flags for the HyScale runs only.")
+    p.add_argument("--launcher", default="", help="Command prefix for each run (default: this Python).")
+    p.add_argument("--core-loop", action="store_true", help="Pass --hyscale-core-loop to every run.")
+    return p
+
+
+def _default_config() -> str:
+    """``@configs/deepseek_v32_1gpu.args`` from the working directory, else from this checkout."""
+    here = Path(DEFAULT_CONFIG)
+    if here.is_file():
+        return f"@{here}"
+    return f"@{Path(__file__).resolve().parents[1] / DEFAULT_CONFIG}"
+
+
+def with_default_config(rest: Sequence[str]) -> list[str]:
+    rest = list(rest)
+    return rest if any(t.startswith("@") and len(t) > 1 for t in rest) else [_default_config(), *rest]
+
+
+def check_longest(shared: Sequence[str], hyscale_only: Sequence[str] = ()) -> None:
+    """Raise :class:`LongestRefused` / :class:`compare.CompareRefused` for a sweep that would not
+    compare stock and HyScale like for like under full recompute + replay."""
+    compare.check_like_for_like(shared, hyscale_only)
+    if compare._flag_value(shared, "--recompute-granularity") != "full":
+        raise LongestRefused(
+            "refusing a config without full activation recompute: the longest-sequence mode trains with "
+            "--recompute-granularity full (and --recompute-method uniform --recompute-num-layers 1), where "
+            "stock re-runs indexer scoring + top-k in the backward and HyScale replays its selection.")
+    if "--no-hyscale-replay" in compare._flags([*shared, *hyscale_only]):
+        raise LongestRefused("refusing --no-hyscale-replay: the longest-sequence mode runs HyScale with "
+                             "selection replay (it adds --hyscale-replay itself).")
+
+
+# ----------------------------------------------------------------------------- classifying a run
+def is_oom(rc: int, log_text: str) -> bool:
+    if rc == 0:
+        return False
+    if rc in OOM_KILL_CODES:
+        return True
+    return any(p.search(log_text) for p in OOM_PATTERNS)
+
+
+def first_error_line(rc: int, log_text: str) -> str:
+    """The line that says what went wrong: for an OOM the out-of-memory message, else the last
+    exception line (``SomeError: ...``) of the log, else the exit code."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    if rc != 0 and is_oom(rc, log_text):
+        for ln in reversed(lines):
+            if any(p.search(ln) for p in OOM_PATTERNS):
+                return ln[:300]
+    for ln in reversed(lines):
+        if _ERROR_LINE.match(ln) and "ChildFailedError" not in ln:  # torchrun's wrapper hides the rank's error
+            return ln[:300]
+    if rc < 0:
+        try:
+            return f"killed by signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}" + (f": {lines[-1][:200]}" if lines else "")
+
+
+def classify(rc: int, log_text: str, records: list[dict]) -> tuple[str, str]:
+    """(status, error line): ``ok`` (exit 0 and at least one iteration logged), ``oom`` or ``error``."""
+    if rc == 0:
+        if records:
+            return "ok", ""
+        return "error", "exit code 0 but no iteration was logged (metrics file empty or missing)"
+    return ("oom" if is_oom(rc, log_text) else "error"), first_error_line(rc, log_text)
+
+
+def run_metrics(records: list[dict]) -> dict:
+    """Median step time / tokens/s without the warm-up iteration (as hyscale-compare), peaks over all."""
+    steady = records[1:] if len(records) > 1 else records
+    return dict(median_step_ms=statistics.median(r["step_ms"] for r in steady),
+                tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
+                peak_mem_bytes=max(int(r["peak_mem_bytes"]) for r in records),
+                replay_store_bytes=max(int(r.get("replay_store_bytes") or 0) for r in records))
+
+
+# ----------------------------------------------------------------------------- the sweep
+def default_runner(kind: str, cmd: list, run_dir: Path) -> int:
+    rc, wall, _ = compare.run_process(kind, cmd, run_dir, prog=PROG)
+    print(f"[{PROG}] {kind}: exit code {rc} after {wall:.1f} s", flush=True)
+    return rc
+
+
+def _read_records(path: Path) -> list[dict]:
+    try:
+        return compare.read_metrics(path)
+    except (RuntimeError, ValueError):
+        return []
+
+
+def sweep(opts, rest: Sequence[str], out: Path, runner: Runner = default_runner) -> list[dict]:
+    """Run every (length, kind) in increasing length, stock first; a kind stops at its first
+    ``oom`` (or ``error``). Returns one row per run, in the order run."""
+    stopped: dict[str, str] = {}
+    rows: list[dict] = []
+    for seq in opts.seq_lengths:
+        if len(stopped) == len(KINDS):
+            break
+        run_dir = out / f"L{seq}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shared = [*rest, "--seq-length", str(seq), "--max-position-embeddings", str(seq)]
+        cmds = compare.run_commands(opts, shared, run_dir)
+        for kind in KINDS:
+            if kind in stopped:
+                continue
+            print(f"[{PROG}] seq_len {seq}: {kind} ...", flush=True)
+            rc = runner(kind, cmds[kind], run_dir)
+            log = run_dir / f"{kind}.log"
+            log_text = log.read_text(errors="replace") if log.exists() else ""
+            records = _read_records(run_dir / f"{kind}.jsonl") if rc == 0 else []
+            status, err = classify(rc, log_text, records)
+            row = dict(kind=kind, seq_len=seq, status=status, median_step_ms=None, tokens_per_s=None,
+                       peak_mem_bytes=None, replay_store_bytes=None, error=err)
+            if status == "ok":
+                row.update(run_metrics(records))
+                print(f"[{PROG}] seq_len {seq}: {kind} ok -- median step {row['median_step_ms']:.1f} ms, "
+                      f"{row['tokens_per_s']:.0f} tokens/s, peak memory {row['peak_mem_bytes'] / 2**20:.1f} MiB",
+                      flush=True)
+            else:
+                stopped[kind] = status
+                print(f"[{PROG}] seq_len {seq}: {kind} {status.upper()} -- {err} (log: {log}); "
+                      f"no longer lengths for {kind}", flush=True)
+            rows.append(row)
+    return rows
+
+
+def longest_ok(rows: list[dict], kind: str) -> Optional[int]:
+    ok = [r["seq_len"] for r in rows if r["kind"] == kind and r["status"] == "ok"]
+    return max(ok) if ok else None
+
+
+# ----------------------------------------------------------------------------- outputs
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_FIELDS)
+        for r in rows:
+            w.writerow([compare._fmt(r.get(k)) for k in CSV_FIELDS])
+
+
+def _verdict(rows: list[dict], kind: str, lengths: list[int]) -> str:
+    best = longest_ok(rows, kind)
+    mine = [r for r in rows if r["kind"] == kind]
+    last = mine[-1] if mine else None
+    if best is None:
+        text = "none"
+    else:
+        text = str(best)
+    if last is not None and last["status"] == "oom":
+        text += f" (out of memory at {last['seq_len']})"
+    elif last is not None and last["status"] == "error":
+        text += f" (failed with an error at {last['seq_len']}, not an OOM)"
+    elif best is not None and best == max(lengths):
+        text += " (the longest tried; did not run out of memory)"
+    return text
+
+
+def markdown(rows: list[dict], lengths: list[int], meta: dict, iters: int) -> str:
+    by = {(r["kind"], r["seq_len"]): r for r in rows}
+    mem_kind = "peak allocated, CUDA" if meta.get("device") == "cuda" else "peak RSS of the process, CPU"
+
+    def cell(r, key, fmt):
+        return "" if r is None or r.get(key) is None else fmt.format(r[key])
+
+    def mib(r):
+        return "" if r is None or r.get("peak_mem_bytes") is None else f"{r['peak_mem_bytes'] / 2**20:.1f}"
+
+    lines = [
+        "# Longest trainable sequence: stock DSA vs HyScale",
+        "",
+        f"- config: `{meta['config']}`; {iters} iterations per run; full recompute; HyScale with selection replay",
+        f"- device: {meta['device_name']}; torch {meta['torch']}; megatron-core {meta['megatron']}; {meta['date']}",
+        f"- stock backend: `--dsa-kernel-backend {meta['stock_backend']}`; each (kind, length) a separate process",
+        "",
+        "| seq len | stock | stock step (ms) | stock tokens/s | stock peak (MiB) | HyScale | HyScale step (ms) "
+        "| HyScale tokens/s | HyScale peak (MiB) | replay store (bytes) | speedup |",
+        "|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for seq in lengths:
+        st, hs = by.get(("stock", seq)), by.get(("hyscale", seq))
+        status = {k: ("not run" if r is None else r["status"].upper() if r["status"] != "ok" else "ok")
+                  for k, r in (("stock", st), ("hyscale", hs))}
+        speed = ""
+        if st and hs and st["status"] == hs["status"] == "ok":
+            speed = f"{st['median_step_ms'] / hs['median_step_ms']:.2f}x"
+        lines.append(
+            f"| {seq} | {status['stock']} | {cell(st, 'median_step_ms', '{:.1f}')} | {cell(st, 'tokens_per_s', '{:.0f}')} "
+            f"| {mib(st)} "
+            f"| {status['hyscale']} | {cell(hs, 'median_step_ms', '{:.1f}')} | {cell(hs, 'tokens_per_s', '{:.0f}')} "
+            f"| {mib(hs)} "
+            f"| {cell(hs, 'replay_store_bytes', '{}')} | {speed} |")
+    lines += [
+        "",
+        f"**stock's longest trainable length: {_verdict(rows, 'stock', lengths)}; "
+        f"HyScale's: {_verdict(rows, 'hyscale', lengths)}**",
+        "",
+        f"Step time: median without the warm-up iteration. Peak memory: {mem_kind}. \"not run\": the kind had "
+        "already stopped (OOM or error) at a shorter length.",
+    ]
+    errs = [r for r in rows if r["status"] != "ok"]
+    if errs:
+        lines += ["", "Stopped runs:", ""]
+        lines += [f"- {r['kind']} at {r['seq_len']}: {r['status'].upper()} -- `{r['error']}`" for r in errs]
+    if meta.get("device") != "cuda":
+        lines += ["", "CPU run: shows the mechanics only; the lengths that matter are measured on the GPU."]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- entry point
+def main(argv: Optional[Sequence[str]] = None, runner: Runner = default_runner) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts, rest = _parser().parse_known_args(argv)
+    if opts.iters < 1:
+        print(f"{PROG}: --iters must be >= 1", file=sys.stderr)
+        return 2
+    rest = with_default_config(rest)
+    hyscale_only = shlex.split(opts.hyscale_args)
+    try:
+        shared = expand_arg_files(rest)
+        check_longest(shared, hyscale_only)
+    except (compare.CompareRefused, LongestRefused, TrainConfigError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    opts.hyscale_args = shlex.join(["--hyscale-replay", *hyscale_only])
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = compare._meta(opts, rest, compare.stock_backend(opts.stock_backend))
+    t0 = time.perf_counter()
+    print(f"[{PROG}] {' '.join(t for t in rest if t.startswith('@'))}: seq lengths {opts.seq_lengths}, "
+          f"{opts.iters} iterations each, stock backend {meta['stock_backend']}", flush=True)
+    rows = sweep(opts, rest, out, runner)
+    write_csv(out / "longest.csv", rows)
+    md = markdown(rows, opts.seq_lengths, meta, opts.iters)
+    (out / "longest.md").write_text(md)
+    print(md, flush=True)
+    print(f"[{PROG}] wrote {out}/longest.csv, longest.md ({time.perf_counter() - t0:.1f} s total)", flush=True)
+    return 1 if any(r["status"] == "error" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""hyscale-longest on CPU: OOM classification, stop-at-first-OOM with an injected runner, refusals,
+and an end-to-end sweep on the tiny config."""
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from hyscale_megatron import longest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = f"@{ROOT / 'configs' / 'tiny_cpu.args'}"
+
+CUDA_OOM = """Traceback (most recent call last):
+  File "/x/train.py", line 600, in run_core_loop
+    losses = fwd_bwd(forward_step_func=forward_step, data_iterator=data_iter,
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 128.00 GiB. GPU 0 has a total capacity of 139.81 GiB
+"""
+HOST_OOM = "RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: out of memory\n"
+OTHER = """ [..] iteration        1/       3 | lm loss: 4.8E+00 |
+Traceback (most recent call last):
+  File "/x/dsa.py", line 10, in forward
+RuntimeError: shape '[1, 64, 128]' is invalid for input of size 4096
+"""
+TORCHRUN_OTHER = OTHER + "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+SUCCESS = " [..] iteration        3/       3 | lm loss: 4.8E+00 | peak memory (MB): 10.0 |\n"
+REC = [dict(iteration=i, lm_loss=4.0, indexer_loss=1e-3, step_ms=s, tokens_per_s=1e3 / s, peak_mem_bytes=2**20 * i,
+            replay_store_bytes=4096) for i, s in ((1, 30.0), (2, 10.0), (3, 20.0))]
+
+
+@pytest.mark.parametrize("rc,log,status,err", [
+    (1, CUDA_OOM, "oom", "torch.OutOfMemoryError: CUDA out of memory."),
+    (1, "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB\n", "oom", "CUDA out of memory"),
+    (1, HOST_OOM, "oom", "out of memory"),
+    (-9, "", "oom", ""),            # SIGKILL from the kernel's OOM killer
+    (137, OTHER, "oom", ""),        # the same, reported by a shell or launcher
+    (1, OTHER, "error", "RuntimeError: shape '[1, 64, 128]' is invalid for input of size 4096"),
+    (1, TORCHRUN_OTHER, "error", "RuntimeError: shape '[1, 64, 128]'"),
+    (-11, "", "error", "killed by signal SIGSEGV"),
+    (2, "hyscale-train: error: argument file x does not exist\n", "error", "exit code 2"),
+    (0, SUCCESS, "ok", ""),
+])
+def test_classify(rc, log, status, err):
+    got, line = longest.classify(rc, log, REC)
+    assert got == status
+    assert err in line
+    if status == "ok":
+        assert line == ""
+
+
+def test_success_without_iterations_is_an_error():
+    assert longest.classify(0, SUCCESS, [])[0] == "error"
+    # a successful run that mentions memory in its log is still a success
+    assert longest.classify(0, SUCCESS + "warning: nearly out of memory\n", REC)[0] == "ok"
+
+
+def test_run_metrics_skips_warmup():
+    m = longest.run_metrics(REC)
+    assert m["median_step_ms"] == 15.0 and m["peak_mem_bytes"] == 3 * 2**20 and m["replay_store_bytes"] == 4096
+
+
+class FakeRunner:
+    """Writes the files a training subprocess would: stock OOMs from 512, HyScale from 2048,
+    except an optional real error."""
+
+    def __init__(self, oom_at, error_at=None):
+        self.oom_at, self.error_at, self.calls = oom_at, error_at or {}, []
+
+    def __call__(self, kind, cmd, run_dir):
+        seq = int(cmd[cmd.index("--seq-length") + 1])
+        assert cmd[cmd.index("--max-position-embeddings") + 1] == str(seq)
+        self.calls.append((kind, seq, cmd))
+        if seq >= self.error_at.get(kind, 1 << 62):
+            (run_dir / f"{kind}.log").write_text(OTHER)
+            return 1
+        if seq >= self.oom_at[kind]:
+            (run_dir / f"{kind}.log").write_text(CUDA_OOM)
+            return 1
+        (run_dir / f"{kind}.log").write_text(SUCCESS)
+        recs = [dict(r, peak_mem_bytes=seq * r["iteration"]) for r in REC]
+        (run_dir / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return 0
+
+
+def _rows(path):
+    return list(csv.DictReader(open(path)))
+
+
+def test_stops_each_kind_at_its_first_oom(tmp_path, capsys):
+    fake = FakeRunner({"stock": 512, "hyscale": 2048})
+    rc = longest.main(["--out", str(tmp_path), TINY, "--seq-lengths", "256,128,512,1024,2048,4096"], runner=fake)
+    assert rc == 0
+    assert [(k, s) for k, s, _ in fake.calls] == [
+        ("stock", 128), ("hyscale", 128), ("stock", 256), ("hyscale", 256), ("stock", 512), ("hyscale", 512),
+        ("hyscale", 1024), ("hyscale", 2048)], "stock stops at 512, HyScale at 2048, nothing runs at 4096"
+    for kind, _, cmd in fake.calls:
+        assert ("--hyscale-replay" in cmd) == (kind == "hyscale")
+        assert cmd[cmd.index("--train-iters") + 1] == "3"
+    rows = _rows(tmp_path / "longest.csv")
+    assert list(rows[0]) == list(longest.CSV_FIELDS)
+    got = [(r["kind"], int(r["seq_len"]), r["status"]) for r in rows]
+    assert got == [(k, s, "oom" if s >= {"stock": 512, "hyscale": 2048}[k] else "ok") for k, s, _ in fake.calls]
+    oom = [r for r in rows if r["status"] == "oom"]
+    assert all("OutOfMemoryError" in r["error"] and r["median_step_ms"] == "" for r in oom)
+    ok = rows[0]
+    assert float(ok["median_step_ms"]) == 15.0 and int(ok["peak_mem_bytes"]) == 3 * 128
+    md = (tmp_path / "longest.md").read_text()
+    assert ("stock's longest trainable length: 256 (out of memory at 512); "
+            "HyScale's: 1024 (out of memory at 2048)") in md
+    assert "| 4096 | not run |" in md and "| 512 | OOM |" in md
+    assert "stock OOM" in capsys.readouterr().out, "progress must say where a kind stopped"
+
+
+def test_real_error_is_not_reported_as_oom(tmp_path):
+    fake = FakeRunner({"stock": 1 << 30, "hyscale": 1 << 30}, error_at={"hyscale": 128})
+    rc = longest.main(["--out", str(tmp_path), TINY, "--seq-lengths", "64,128,256", "--iters", "2"], runner=fake)
+    assert rc == 1, "a real failure makes the command fail"
+    rows = {(r["kind"], int(r["seq_len"])): r for r in _rows(tmp_path / "longest.csv")}
+    assert rows[("hyscale", 128)]["status"] == "error"
+    assert rows[("hyscale", 128)]["error"].startswith("RuntimeError: shape")
+    assert ("hyscale", 256) not in rows and rows[("stock", 256)]["status"] == "ok"
+    md = (tmp_path / "longest.md").read_text()
+    assert "stock's longest trainable length: 256 (the longest tried; did not run out of memory)" in md
+    assert "HyScale's: 64 (failed with an error at 128, not an OOM)" in md
+
+
+@pytest.mark.parametrize("argv,msg", [
+    ([TINY, "--recompute-granularity", "selective"], "without full activation recompute"),
+    ([TINY, "--hyscale-args=--no-hyscale-replay"], "--no-hyscale-replay"),
+    ([TINY, "--experimental-attention-variant", "gated_delta_net"], "without DSA layers"),
+    ([TINY, "--hyscale-args", "--seed 3"], "refusing --seed"),
+    ([TINY, "--spec", "hyscale_megatron.specs", "stock_block_spec"], "layer spec"),
+])
+def test_refusals(argv, msg, tmp_path, capsys):
+    def never(*a):
+        raise AssertionError("nothing may run for a refused sweep")
+
+    assert longest.main(["--out", str(tmp_path / "o"), *argv], runner=never) == 2
+    assert msg in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_default_config_is_the_deepseek_v32_one(tmp_path):
+    rest = longest.with_default_config(["--micro-batch-size", "1"])
+    assert rest[0].startswith("@") and rest[0].endswith("configs/deepseek_v32_1gpu.args")
+    assert Path(rest[0][1:]).is_file()
+    assert longest.with_default_config([TINY]) == [TINY]
+    opts = longest._parser().parse_args([])
+    assert opts.seq_lengths == [32768, 131072, 524288, 1048576] and opts.iters == 3
+
+
+def test_longest_tiny_cpu_end_to_end(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    rc = longest.main(["--out", str(out), TINY, "--seq-lengths", "64,128", "--iters", "2"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert "[stock]" in printed and "[hyscale]" in printed and "| lm loss:" in printed, "progress must be visible"
+    rows = _rows(out / "longest.csv")
+    assert [(r["kind"], int(r["seq_len"]), r["status"]) for r in rows] == [
+        ("stock", 64, "ok"), ("hyscale", 64, "ok"), ("stock", 128, "ok"), ("hyscale", 128, "ok")]
+    for r in rows:
+        for key in ("median_step_ms", "tokens_per_s"):
+            assert math.isfinite(float(r[key])) and float(r[key]) > 0, (r["kind"], key)
+        assert int(r["peak_mem_bytes"]) > 0 and r["error"] == ""
+        if r["kind"] == "stock":
+            assert int(r["replay_store_bytes"]) == 0
+        else:
+            assert int(r["replay_store_bytes"]) > 0, "full recompute + replay: HyScale stores its selection"
+    hs = {int(r["seq_len"]): int(r["replay_store_bytes"]) for r in rows if r["kind"] == "hyscale"}
+    assert hs[128] > hs[64], "the replay store grows with the sequence"
+    for seq in (64, 128):
+        for kind in ("stock", "hyscale"):
+            log = (out / f"L{seq}" / f"{kind}.log").read_text()
+            assert f"--seq-length {seq}" in printed
+            assert ("HyScaleDSAttention" if kind == "hyscale" else "'DSAttention'") in log
+    md = (out / "longest.md").read_text()
+    assert "| 64 | ok |" in md and "| 128 | ok |" in md
+    assert ("stock's longest trainable length: 128 (the longest tried; did not run out of memory); "
+            "HyScale's: 128 (the longest tried; did not run out of memory)") in md
