@@ -95,6 +95,9 @@ class _Compute:
             sq=sq, skv=sk, device=q.device, mask=mask, varlen_starts=varlen_starts,
             varlen_ends=varlen_ends, key_positions=key_positions,
         )
+        if bounds is not None and b == 1:  # the common case: no [sq, k] copy
+            return selection.select_rows(q[:, 0], w[:, 0], k[:, 0], bounds[0], bounds[1], kk, use_relu,
+                                         self.cfg.topk_impl).unsqueeze(0)
         out = torch.empty(b, sq, kk, dtype=torch.int32, device=q.device)
         for bi in range(b):
             if bounds is not None:

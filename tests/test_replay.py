@@ -186,3 +186,37 @@ def test_offloaded_entries_round_trip_on_gpu():
     out1 = store.read((1, 0), fp=fp)
     assert torch.equal(out2, idx + 2) and torch.equal(out1, idx + 1) and out1.is_cuda
     assert len(store) == 0 and store.host_bytes == 0
+
+
+def test_te_checkpoint_is_wrapped_with_regions(monkeypatch):
+    """Under FP8/FP4 Megatron recomputes through TE's checkpoint (megatron.core.recompute.te_checkpoint);
+    with TE installed our wrapper must give it the same forward/recompute regions."""
+    import megatron.core.recompute as rc
+
+    from hyscale_patches import checkpoint_hooks
+
+    seen = []
+
+    def fake_te_checkpoint(function, distribute_saved_activations, get_rng_state_tracker, tp_group, *args):
+        out = function(*args)  # original forward
+        function(*args)  # what TE's backward does: re-run
+        return out
+
+    def body(x):
+        region = checkpoint_hooks.current_region()
+        seen.append((region.phase, region.will_recompute, region.id))
+        return x * 2
+
+    monkeypatch.setattr(rc, "te_checkpoint", fake_te_checkpoint)
+    checkpoint_hooks.TE_PATCH.revert()
+    checkpoint_hooks.TE_PATCH._applied = None
+    checkpoint_hooks.apply()
+    try:
+        x = torch.ones(3, requires_grad=True)
+        y = rc.te_checkpoint(body, False, None, None, x)
+        assert torch.equal(y, x * 2)
+        assert [s[:2] for s in seen] == [("forward", True), ("recompute", True)]
+        assert seen[0][2] == seen[1][2], "both passes share one region"
+        assert rc.te_checkpoint.__wrapped__ is fake_te_checkpoint
+    finally:
+        checkpoint_hooks.TE_PATCH.revert()
