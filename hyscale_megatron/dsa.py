@@ -167,6 +167,9 @@ class _Compute:
                     q[:, bi], weights[:, bi], k[:, bi], query[:, bi].detach(), kv, idx[bi], softmax_scale,
                     lse=lse, **common)
             else:
+                if query.is_cuda:
+                    log_once("dense-loss-ref", "hyscale: dense-stage (warm-up) indexer loss uses the chunked PyTorch "
+                             "reference on CUDA (O(T*S) per layer); the sparse stage uses the kernels")
                 kl = loss_ref.dense_indexer_loss_reference(
                     q[:, bi], weights[:, bi], k[:, bi], query[:, bi].detach(), kv, bounds[0], bounds[1],
                     softmax_scale, **common)

@@ -137,3 +137,11 @@ def test_ops_exports():
         assert callable(getattr(ops, name)), name
     with pytest.raises(AttributeError, match="available"):
         ops.not_an_op  # noqa: B018
+
+
+def test_package_exports():
+    import hyscale_megatron
+
+    assert hyscale_megatron.__version__
+    for name in hyscale_megatron.__all__:
+        assert getattr(hyscale_megatron, name) is not None, name
