@@ -402,6 +402,8 @@ def format_log_line(rec: dict, train_iters: int) -> str:
     if rec.get("indexer_loss") is not None:
         parts.append(f"indexer loss: {rec['indexer_loss']:.6E}")
     parts.append(f"peak memory (MB): {rec['peak_mem_bytes'] / 2**20:.1f}")
+    if rec.get("replay_store_bytes"):
+        parts.append(f"replay store peak (MB): {rec['replay_store_bytes'] / 2**20:.2f}")
     return " | ".join(parts) + " |"
 
 
@@ -662,6 +664,11 @@ def _metrics_train_step(original, args):
                    peak_mem_bytes=peak_memory_bytes(), replay_store_bytes=replay_store_bytes(),
                    global_batch_size=args.global_batch_size, seq_length=args.seq_length, backend="pretrain")
         writer.write(rec)
+        it = rec["iteration"]
+        if rank == world - 1 and rec["replay_store_bytes"] and it % max(getattr(args, "log_interval", 1) or 1, 1) == 0:
+            # next to Megatron's own per-iteration line (printed by training_log on the last rank)
+            print(f" [hyscale] iteration {it:8d} | replay store peak (MB): {rec['replay_store_bytes'] / 2**20:.2f} |",
+                  flush=True)
         return out
 
     train_step.__wrapped__ = original

@@ -172,3 +172,13 @@ def test_eval_interval_defaults_for_pretrain():
     assert args.eval_interval == 7
     args = train.parse_train_args([TINY, "--eval-interval", "3"])
     assert args.eval_interval == 3
+
+
+def test_log_line_shows_replay_store_bytes():
+    from hyscale_megatron.train import format_log_line
+
+    rec = dict(iteration=3, consumed_samples=3, step_ms=12.0, tokens_per_s=100.0, lr=1e-3, global_batch_size=1,
+               lm_loss=4.0, indexer_loss=1e-6, peak_mem_bytes=2**30, replay_store_bytes=3 * 2**20)
+    line = format_log_line(rec, 10)
+    assert "replay store peak (MB): 3.00" in line and "lm loss: 4.000000E+00" in line
+    assert "replay store" not in format_log_line(dict(rec, replay_store_bytes=0), 10)
