@@ -29,11 +29,12 @@ def _register(name: str, folder: str) -> None:
     spec.loader.exec_module(module)
 
 
-def setup() -> None:
+def setup() -> str:
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     _register("hyscale_kernels", "kernels")
     _register("hyscale_patches", "patches")
+    return ROOT
 
 
 setup()
