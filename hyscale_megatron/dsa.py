@@ -230,7 +230,9 @@ class _Compute:
             except ImportError:
                 sparse_mla = None
             if sparse_mla is not None:
-                return sparse_mla(q, kv, idx, scale, v_dim=v_dim)
+                # indices come from our own selection (or its replay): valid by construction, so no
+                # per-call device sync for the range check
+                return sparse_mla(q, kv, idx, scale, v_dim=v_dim, check_index_range=False)
             if impl == "triton":
                 raise RuntimeError("attn_impl='triton' requested but hyscale_kernels.sparse_mla.sparse_mla is unavailable")
         from hyscale_kernels.sparse_mla.reference import sparse_mla_reference  # noqa: PLC0415

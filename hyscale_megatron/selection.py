@@ -32,7 +32,9 @@ def select_rows(q, w, k, starts, ends, topk: int, relu: bool, impl: str) -> torc
             if impl == "triton":
                 raise RuntimeError("topk_impl='triton' requested but hyscale_kernels.hytopk.hytopk is unavailable")
         else:
-            return fn(q.contiguous(), w.contiguous(), k.contiguous(), starts, ends, topk, relu=relu)
+            # bounds come from stock's own mask builder: skip the kernel's bounds check (a device sync)
+            return fn(q.contiguous(), w.contiguous(), k.contiguous(), starts, ends, topk, relu=relu,
+                      check_bounds=False)
     if q.is_cuda:
         log_once("topk-ref-cuda", "hyscale: top-k on CUDA uses the chunked PyTorch reference (topk_impl=%s)", impl)
     return hytopk_ref.hytopk_reference(q, w, k, starts, ends, topk, relu=relu)
