@@ -218,8 +218,3 @@ def store_stats() -> dict:
     """Current/peak bytes of the process-wide replay store (logged per iteration when enabled)."""
     return _STORE.stats()
 
-
-def entry_bytes(batch: int, seq: int, topk: int, compact: bool = True, sk: Optional[int] = None) -> int:
-    """Bytes of one replay entry (one DSA layer, one microbatch in flight)."""
-    width = 2 if (compact and sk is not None and sk <= 32768) else 4
-    return batch * seq * topk * width

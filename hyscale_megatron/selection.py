@@ -49,14 +49,14 @@ def select_rows_masked(q, w, k, valid: torch.Tensor, additive: Optional[torch.Te
     T, S = q.shape[0], k.shape[0]
     out = torch.empty(T, topk, dtype=torch.int32, device=q.device)
     rows = max(1, (1 << 22) // max(1, S))
-    all_rows = torch.zeros(1, dtype=torch.int32, device=q.device)
     for r0 in range(0, T, rows):
         r1 = min(T, r0 + rows)
         sc = hytopk_ref.index_scores_reference(q[r0:r1], w[r0:r1], k, relu)
         if additive is not None:
             sc = sc + additive[r0:r1]
         sc = sc.masked_fill(~valid[r0:r1], float("-inf"))
-        n = r1 - r0
-        idx, vals = hytopk_ref.topk_from_scores(sc, all_rows.expand(n), all_rows.new_full((n,), S), topk)
+        n = r1 - r0  # the mask is already in the scores: every row "sees" [0, S)
+        whole = torch.zeros(n, dtype=torch.int32, device=q.device), torch.full((n,), S, dtype=torch.int32, device=q.device)
+        idx, vals = hytopk_ref.topk_from_scores(sc, *whole, topk)
         out[r0:r1] = idx.masked_fill(vals == float("-inf"), -1)
     return out

@@ -54,6 +54,17 @@ def check_megatron_version() -> str:
     return ver
 
 
+_VERSION_OK: str | None = None
+
+
+def _checked_version() -> str:
+    """check_megatron_version(), once per process (every overlay assumes the supported range)."""
+    global _VERSION_OK
+    if _VERSION_OK is None:
+        _VERSION_OK = check_megatron_version()
+    return _VERSION_OK
+
+
 @dataclass
 class Patch:
     """Replace ``module.attr`` by ``make(original)``; idempotent and reversible."""
@@ -101,6 +112,8 @@ class Patch:
         """Apply once. Returns True if this call swapped the symbol, False if already applied."""
         if self.applied:
             return False
+        if self.module.startswith("megatron"):
+            _checked_version()
         owner, leaf = self._target()
         self._original = getattr(owner, leaf)
         self._applied = self.make(self._original)

@@ -110,7 +110,3 @@ def revert() -> None:
     for p in PATCHES + [TE_PATCH]:
         p.revert()
 
-
-def wrap_run_function_for_tests(function: Any, will_recompute: bool = True):
-    """A region-carrying wrapper, for tests that drive regions by hand."""
-    return _wrap_run_function(function, Region(next(_IDS), will_recompute))

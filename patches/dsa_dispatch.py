@@ -45,10 +45,6 @@ def active_override(override: Any) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def current_override() -> Any:
-    return _ACTIVE.get()
-
-
 def _make_function_dispatcher(role: str):
     def make(original):
         def dispatcher(*args, **kwargs):
