@@ -10,6 +10,12 @@ machine, GPU included:
   (``helpers_cpp*.so``) but no Makefile, so ``make`` fails and the job ``sys.exit(1)``s. The patch
   skips the compile when ``megatron.core.datasets.helpers_cpp`` imports and otherwise calls the
   original (a source checkout with a Makefile still compiles).
+* ``cpu-init-to-device``: with ``--use-cpu-initialization`` (weights initialised on the host, as
+  the CPU config does), megatron-core 0.19.2's builder path (``pretrain`` with a config
+  container -> ``prepare_existing_model_chunks_for_distributed_training``) leaves the model on
+  the CPU, unlike ``get_model``, which moves it to the GPU; the first forward then fails with a
+  cuda/cpu device mismatch in the embedding. With CUDA present the patch moves the chunks to the
+  current GPU first (as ``get_model`` does), logged once; without CUDA it calls the original.
 
 Only without CUDA (``CPU``, applied by the core loop of ``hyscale-train`` on CPU):
 
@@ -62,8 +68,32 @@ def _cpu_device_arch(original):
     return get_device_arch_version
 
 
+def _cpu_init_to_device(original):
+    state = {"logged": False}
+
+    def prepare_existing_model_chunks_for_distributed_training(model_list, transformer_config, *a, **kw):
+        import torch  # noqa: PLC0415
+
+        fsdp2 = kw.get("use_torch_fsdp2", a[4] if len(a) > 4 else False)
+        if (torch.cuda.is_available() and getattr(transformer_config, "use_cpu_initialization", False)
+                and not fsdp2 and not getattr(transformer_config, "init_model_with_meta_device", False)):
+            if not state["logged"]:
+                logger.info("hyscale: --use-cpu-initialization: moving the CPU-initialised model to "
+                            "cuda:%d before Megatron's distributed wrapping (as get_model does)",
+                            torch.cuda.current_device())
+                state["logged"] = True
+            for chunk in model_list:
+                chunk.cuda(torch.cuda.current_device())
+        return original(model_list, transformer_config, *a, **kw)
+
+    prepare_existing_model_chunks_for_distributed_training.__wrapped__ = original
+    return prepare_existing_model_chunks_for_distributed_training
+
+
 ALWAYS = [
     Patch("skip-compile-helpers", DATASET_UTILS, "compile_helpers", _skip_compile_helpers),
+    Patch("cpu-init-to-device", "megatron.training.models.dist_utils",
+          "prepare_existing_model_chunks_for_distributed_training", _cpu_init_to_device),
 ]
 CPU = [
     Patch("cpu-device-arch", "megatron.training.arguments", "get_device_arch_version", _cpu_device_arch),

@@ -20,7 +20,7 @@ def test_apply_twice_is_safe_and_logs_once(clean_patches, caplog):
 
     original = utils.compile_helpers
     with caplog.at_level(logging.INFO, logger="hyscale_patches"):
-        assert training_compat.apply(cpu=False) == ["skip-compile-helpers"]
+        assert training_compat.apply(cpu=False) == ["skip-compile-helpers", "cpu-init-to-device"]
         first = utils.compile_helpers
         training_compat.apply()
         assert utils.compile_helpers is first, "second apply must not wrap again"
@@ -77,10 +77,51 @@ def test_cpu_device_arch_patch(clean_patches):
     from megatron.training import arguments
 
     original = arguments.get_device_arch_version
-    assert training_compat.apply(cpu=True) == ["skip-compile-helpers", "cpu-device-arch"]
+    assert training_compat.apply(cpu=True) == ["skip-compile-helpers", "cpu-init-to-device", "cpu-device-arch"]
     training_compat.apply(cpu=True)
     assert arguments.get_device_arch_version.__wrapped__ is original
     if not torch.cuda.is_available():
         assert arguments.get_device_arch_version() == 0
     training_compat.revert()
     assert arguments.get_device_arch_version is original
+
+
+def test_cpu_init_to_device_moves_chunks_before_wrapping(clean_patches, monkeypatch, caplog):
+    """Builder path + --use-cpu-initialization on a GPU: chunks go to the GPU before the original runs."""
+    import torch
+    from types import SimpleNamespace
+
+    from megatron.training.models import dist_utils
+
+    seen = []
+
+    def original(model_list, transformer_config, pg_collection, **kw):
+        seen.append([m.moved for m in model_list])
+        return model_list
+
+    class Chunk:
+        moved = None
+
+        def cuda(self, dev):
+            self.moved = dev
+            return self
+
+    monkeypatch.setattr(dist_utils, "prepare_existing_model_chunks_for_distributed_training", original)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    training_compat.apply(cpu=False)
+    fn = dist_utils.prepare_existing_model_chunks_for_distributed_training
+    assert fn.__wrapped__ is original
+    cfg = SimpleNamespace(use_cpu_initialization=True, init_model_with_meta_device=False)
+    with caplog.at_level(logging.INFO, logger="hyscale_patches"):
+        fn([Chunk(), Chunk()], cfg, None, use_torch_fsdp2=False)
+        fn([Chunk()], cfg, None, use_torch_fsdp2=False)
+    assert seen == [[3, 3], [3]], "chunks must be on the GPU when Megatron's wrapping starts"
+    assert sum("moving the CPU-initialised model" in r.getMessage() for r in caplog.records) == 1
+    # left alone: GPU initialisation, FSDP2 (it places the shards itself), meta-device init, no CUDA
+    fn([Chunk()], SimpleNamespace(use_cpu_initialization=False, init_model_with_meta_device=False), None)
+    fn([Chunk()], cfg, None, use_torch_fsdp2=True)
+    fn([Chunk()], SimpleNamespace(use_cpu_initialization=True, init_model_with_meta_device=True), None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fn([Chunk()], cfg, None)
+    assert seen[2:] == [[None]] * 4

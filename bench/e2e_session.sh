@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device call for issue 6 (end to end, one H200): hyscale-compare on the DeepSeek-V3.2-like
+# config, stock (TileLang backend) vs HyScale, then a 100-iteration loss-parity run.
+#   1) 64K tokens, full recompute, ITERS iterations (the headline step-time comparison);
+#   2) the same model at PARITY_SEQ tokens for 100 iterations (LM + indexer loss curves).
+# STEPS picks them (default "v32 parity"; "tiny" adds the tiny config through pretrain first).
+# Usage on the device (carry .whl-tl and .tlcache):  OUT=$OUT bash bench/e2e_session.sh
+# Back in $OUT (<= 8 files): <run>/{iterations.csv,summary.md,comparison.png} per run + logs.tar.gz.
+set -u
+mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl-tl/site.tar.xz
+[ -d .tlcache ] && mkdir -p /tmp/tlcache && cp -r .tlcache/. /tmp/tlcache/
+ln -sfn "$PWD/kernels" /tmp/site/hyscale_kernels && ln -sfn "$PWD/patches" /tmp/site/hyscale_patches
+export PYTHONPATH=/tmp/site:$PWD TILELANG_CACHE_DIR=/tmp/tlcache PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/e2e}; mkdir -p "$OUT"
+cmp() {  # name timeout args...
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date +%T))"
+  timeout "$limit" python3 -m hyscale_megatron.compare --out "$OUT/$name" "$@" > "$OUT/$name.console.txt" 2>&1
+  echo "$name rc=$?"
+  cat "$OUT/$name/summary.md" 2>/dev/null || grep -v -i warn "$OUT/$name.console.txt" | tail -20
+}
+STEPS=${STEPS:-v32 parity}
+# tiny: Megatron's pretrain on the GPU with the tiny config (the CPU job's config), a smoke check
+case " $STEPS " in *" tiny "*) cmp tiny_gpu "${TINY_TIMEOUT:-100}" --iters 5 --stock-backend none @configs/tiny_cpu.args;; esac
+case " $STEPS " in *" v32 "*) cmp v32_64k "${CMP_TIMEOUT:-330}" --iters "${ITERS:-8}" @configs/deepseek_v32_1gpu.args;; esac
+PS=${PARITY_SEQ:-8192}
+case " $STEPS " in *" parity "*) cmp "parity_$PS" "${PARITY_TIMEOUT:-220}" --iters 100 @configs/deepseek_v32_1gpu.args \
+  --seq-length "$PS" --max-position-embeddings "$PS";; esac
+# keep the file count under the device tool's 8: logs go into one archive
+(cd "$OUT" && tar czf logs.tar.gz --ignore-failed-read *.console.txt */*.log */summary.json 2>/dev/null;
+ rm -f *.console.txt */*.log */summary.json)
+ls -R "$OUT"
