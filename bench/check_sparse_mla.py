@@ -177,6 +177,9 @@ DKV_CFGS = [dict(block_h=32, block_k=64, num_warps=8, num_stages=1),
             dict(block_h=32, block_k=32, num_warps=8, num_stages=1),
             dict(block_h=16, block_k=64, num_warps=8, num_stages=2)]
 FUSED_CFGS = [dict(block_h=32, block_k=16, num_warps=8, num_stages=2)]
+TARGET_CFGS = [dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
+               dict(block_h=64, block_k=32, num_warps=8, num_stages=2),
+               dict(block_h=64, block_k=64, num_warps=8, num_stages=3)]
 BWD_CFGS = DQ_CFGS  # back-compat name
 
 
@@ -209,6 +212,7 @@ def _compile_report(fn, sig, const, cfg):
 
 def resources(N=128, K=2048):
     """Compile every swept config for sm_90a without a GPU; print smem, registers, spills."""
+    from hyscale_kernels.indexer_loss import target as tk
     from hyscale_kernels.sparse_mla import kernel as km
 
     common = dict(DQK=576, V=512, R=64, K=K, BLOCK_V=512, BLOCK_R=64, IEEE=False, EVEN=True, BIG=False)
@@ -222,6 +226,8 @@ def resources(N=128, K=2048):
         ("bwd_dkv", km._sparse_mla_bwd_dkv_kernel, DKV_CFGS,
          dict(ptrs, do="*bf16", lse="*fp32", delta="*fp32", dkv="*fp32", row0="i32",
               scale="fp32", scale_log2="fp32", N="i32", N_KB="i32"), dict(DETERMINISTIC=False)),
+        ("target", tk._target_kernel, TARGET_CFGS,
+         dict(ptrs, lse="*fp32", tgt="*fp32", scale_log2="fp32", N="i32", N_HB="i32"), dict(ATOMIC=True)),
         ("bwd_fused", km._sparse_mla_bwd_kernel, FUSED_CFGS,
          dict(ptrs, do="*bf16", lse="*fp32", delta="*fp32", dq="*bf16", dkv="*fp32", row0="i32",
               scale="fp32", scale_log2="fp32", N="i32", N_HB="i32"), dict(DETERMINISTIC=False)),

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .._common import check, check_tensor
+from ..sparse_mla.kernel import _dot, _gather_kv, _load_rows, _mac
 
 LOG2E = 1.4426950408889634
 
@@ -22,31 +23,23 @@ LOG2E = 1.4426950408889634
 def _target_kernel(q, kv, idx, lse, tgt, scale_log2, N, N_HB,
                    DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-                   IEEE: tl.constexpr, ATOMIC: tl.constexpr):
+                   IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, ATOMIC: tl.constexpr):
     pid = tl.program_id(0)
     i_t = pid // N_HB  # query token
     i_h = pid % N_HB  # head block (fastest: the head blocks of a token share its gathers in L2)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     m_h = o_h < N
-    o_v = tl.arange(0, BLOCK_V)
-    o_r = tl.arange(0, BLOCK_R)
-    p_q = q + (i_t.to(tl.int64) * N + o_h[:, None]) * DQK
-    b_qv = tl.load(p_q + o_v[None, :], mask=m_h[:, None] & (o_v[None, :] < V), other=0.0)  # [BLOCK_H, BLOCK_V]
-    b_qr = tl.load(p_q + V + o_r[None, :], mask=m_h[:, None] & (o_r[None, :] < R), other=0.0)  # [BLOCK_H, BLOCK_R]
-    b_lse = tl.load(lse + i_t.to(tl.int64) * N + o_h, mask=m_h, other=0.0)  # [BLOCK_H]
+    row = i_t.to(tl.int64) * N + o_h  # [BLOCK_H]
+    b_qv = _load_rows(q, row, m_h, 0, DQK, V, BLOCK_V, EVEN)  # [BLOCK_H, BLOCK_V]
+    b_qr = _load_rows(q, row, m_h, V, DQK, R, BLOCK_R, EVEN)  # [BLOCK_H, BLOCK_R]
+    b_lse = tl.load(lse + row, mask=m_h, other=0.0)  # [BLOCK_H]
     m_row = m_h & (b_lse != float("-inf"))  # heads of rows with no valid key contribute 0
     b_lse = tl.where(m_row, b_lse, 0.0) * 1.4426950408889634
     for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        b_idx = tl.load(idx + i_t.to(tl.int64) * K + o_k, mask=o_k < K, other=-1).to(tl.int64)
-        m_k = b_idx >= 0
-        p_kv = kv + b_idx[:, None] * DQK
-        b_kv = tl.load(p_kv + o_v[None, :], mask=m_k[:, None] & (o_v[None, :] < V), other=0.0)  # [BLOCK_K, BLOCK_V]
-        b_kr = tl.load(p_kv + V + o_r[None, :], mask=m_k[:, None] & (o_r[None, :] < R), other=0.0)  # [BLOCK_K, BLOCK_R]
-        if IEEE:
-            b_s = tl.dot(b_qv, tl.trans(b_kv), input_precision="ieee") + tl.dot(b_qr, tl.trans(b_kr), input_precision="ieee")
-        else:
-            b_s = tl.dot(b_qv, tl.trans(b_kv)) + tl.dot(b_qr, tl.trans(b_kr))  # [BLOCK_H, BLOCK_K]
+        # the attention forward's gather: padded slots load row 0 unmasked (cp.async-friendly), masked below
+        b_kv, b_kr, b_row, m_k, o_k = _gather_kv(kv, idx, i_t, k0, K, DQK, V, R, BLOCK_K, BLOCK_V, BLOCK_R,
+                                                 EVEN, BIG)
+        b_s = _mac(b_qr, tl.trans(b_kr), _dot(b_qv, tl.trans(b_kv), IEEE), IEEE)  # [BLOCK_H, BLOCK_K]
         b_p = tl.exp2(b_s * scale_log2 - b_lse[:, None])
         b_p = tl.where(m_row[:, None] & m_k[None, :], b_p, 0.0)  # [BLOCK_H, BLOCK_K]
         b_t = tl.sum(b_p, axis=0)  # [BLOCK_K] head sum
@@ -55,6 +48,12 @@ def _target_kernel(q, kv, idx, lse, tgt, scale_log2, N, N_HB,
             tl.atomic_add(p_t, b_t, mask=o_k < K, sem="relaxed")
         else:
             tl.store(p_t, b_t, mask=o_k < K)
+
+
+# BLOCK_K 64, 8 warps, 2 stages: the attention forward's best config on the H200 (the same gathers and QK
+# tiles, without the PV product); the old 32-key, masked-gather version ran at ~110 TFLOP/s (180 ms at
+# T = 64K, N = 128 in bench/results/sparse_attn.csv).
+TARGET_CFG = dict(block_k=64, num_warps=8, num_stages=2)
 
 
 def _pow2(x: int) -> int:
@@ -86,10 +85,13 @@ def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torc
     if T == 0 or K == 0:
         return tgt.zero_()
     R = DQK - v_dim
+    BV, BR = max(16, _pow2(v_dim)), max(16, _pow2(max(R, 1)))
     _target_kernel[(T * n_hb,)](
         query.contiguous(), kv.contiguous(), indices.contiguous(), lse.contiguous(), tgt,
         float(softmax_scale) * LOG2E, N, n_hb, DQK=DQK, V=v_dim, R=R, K=K, BLOCK_H=block_h,
-        BLOCK_K=16 if interp else 32, BLOCK_V=_pow2(v_dim), BLOCK_R=max(16, _pow2(max(R, 1))),
-        IEEE=query.dtype == torch.float32, ATOMIC=n_hb > 1, num_warps=4 if interp else 8,
+        BLOCK_K=16 if interp else TARGET_CFG["block_k"], BLOCK_V=BV, BLOCK_R=BR,
+        IEEE=query.dtype == torch.float32, EVEN=(BV == v_dim and BR == R), BIG=kv.shape[0] * DQK >= 2 ** 31,
+        ATOMIC=n_hb > 1, num_warps=4 if interp else TARGET_CFG["num_warps"],
+        num_stages=1 if interp else TARGET_CFG["num_stages"],
     )
     return tgt

@@ -24,8 +24,9 @@ Backward, "split" (``split=True``): two kernels, both with large MMA tiles and n
      ``deterministic=True``, writes it to a bounded per-slot buffer reduced in sorted order.
   The split recomputes S and dP once more (3840 instead of 2752 MACs per head-key) but keeps
   one dkv row update per (token, key) whatever the head count.
-``split=False`` (the default until the split one is timed on the GPU) runs the fused kernel: one
-program per token and block of 32 heads, dkv atomics per head block (mma.sync: M = 32 < 64).
+``split=False`` runs the fused kernel instead: one program per token and block of 32 heads, dkv
+atomics per head block (mma.sync: M = 32 < 64). Split is the default: on the H200 at T = 16K,
+N = 128 it took 276 ms vs the fused kernel's 346 ms (bench/results/sparse_attn.csv).
 """
 
 from __future__ import annotations
@@ -306,11 +307,11 @@ def _block_h(N: int, block_h=None, cap: int = 64) -> int:
     return block_h or min(cap, max(16, triton.next_power_of_2(N)))
 
 
-# Defaults per head count (BLOCK_H, BLOCK_K, num_warps, num_stages); chosen from
-# bench/sparse_attn.py sweeps on the H200 (see bench/NOTES_sparse_mla.md).
-# Offline (sm_90a ptxas, bench/check_sparse_mla.py --resources): fwd 64x32/8 warps/2 stages has no
-# spills (147 KB smem); 64x64 needs 221 KB and spills. Not yet timed on the GPU: see NOTES.
-FWD_CFG = dict(block_k=32, num_warps=8, num_stages=2)
+# Defaults (BLOCK_H, BLOCK_K, num_warps, num_stages) from the bench/sparse_attn.py sweep on the H200
+# (2026-12-02, T = 16K, N = 128, k = 2048; bench/results/sparse_attn.csv, bench/NOTES_sparse_mla.md):
+# fwd BLOCK_K 64: 36.0 ms (260 TFLOP/s) vs 32: 50.4 ms (185), although ptxas reports 20 B of spills
+# for 64x64; bwd split dq32 + dkv32x32: 276 ms vs fused 32x16: 346 ms, dkv32x64: 1286 ms, dq16: 346 ms.
+FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2)
 BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2)
 BWD_DKV_CFG = dict(block_h=32, block_k=32, num_warps=8, num_stages=1)
 BWD_FUSED_CFG = dict(block_h=32, block_k=16, num_warps=8, num_stages=2)
@@ -334,12 +335,12 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None,
     return out, lse
 
 
-def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deterministic=False, split=False,
+def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deterministic=False, split=True,
                    dq_cfg=None, dkv_cfg=None, fused_cfg=None, buf_elems=1 << 27):
     """Gradients (dq [T, N, Dqk] in q's dtype, dkv fp32 [S, Dqk]) from the saved out / lse.
 
-    ``split=True``: dq kernel + per-token dkv kernel (see the module docstring). The default is still
-    the fused kernel (the structure already run on the H200) until bench/sparse_attn.py has timed both.
+    ``split=True`` (default, faster on the H200): dq kernel + per-token dkv kernel (see the module
+    docstring); ``split=False``: the fused kernel.
     ``*_cfg``: dicts of block_h / block_k / num_warps / num_stages overriding the defaults.
     ``bench/check_sparse_mla.py --resources`` reports smem / spills per config offline.
     """
@@ -367,7 +368,7 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
         BLOCK_K=16 if interp else c1["block_k"], HAS_DLSE=dlse is not None, **meta,
         num_warps=c1["num_warps"], num_stages=c1["num_stages"])
     c2 = dict(BWD_DKV_CFG, **(dkv_cfg or {}))
-    bh2 = _block_h(N, c2.get("block_h"))
+    bh2 = min(_block_h(N), c2.get("block_h") or 64)  # never more head rows than N needs (N = 16: 16, not 32)
     bk2 = 16 if interp else c2["block_k"]
     n_kb = triton.cdiv(K, bk2)
     launch = dict(BLOCK_H=bh2, BLOCK_K=bk2, NHB=triton.cdiv(N, bh2), **meta, num_warps=c2["num_warps"], num_stages=c2["num_stages"])
