@@ -4,6 +4,7 @@ Usage::
 
     hyscale-compare --out runs/tiny_cpu @configs/tiny_cpu.args --train-iters 10
     hyscale-compare --out runs/v32 --launcher "torchrun --nproc-per-node 1" @configs/deepseek_v32_1gpu.args
+    hyscale-compare --out runs/v32 --summarize-only      # rebuild the outputs of a run that was cut short
 
 Every argument that is not one of the options below is a ``hyscale-train`` (= Megatron) flag and
 goes, unchanged, to BOTH runs. The two command lines differ only in
@@ -25,7 +26,14 @@ echoed as they come; full logs go to ``OUT/stock.log`` and ``OUT/hyscale.log``.
 Writes into ``--out``: ``iterations.csv`` (run, iteration, lm_loss, indexer_loss, step_ms,
 tokens_per_s, peak_mem_bytes, replay_store_bytes), ``summary.md`` (median step time, speedup,
 tokens/s, peak memory, max relative LM / indexer loss difference), ``summary.json``,
-``comparison.png`` (loss curves overlaid; step-time and memory bars) and the two logs.
+``comparison.png`` (loss curves overlaid; step-time and memory bars) and the two logs. ``meta.json``
+(config, device, versions, stock backend, date) is written before the runs start.
+
+``--summarize-only`` trains nothing: it rebuilds ``iterations.csv``, ``summary.md``/``.json`` and
+``comparison.png`` from ``OUT/stock.jsonl``, ``OUT/hyscale.jsonl`` and ``OUT/meta.json`` (e.g. after an
+outer timeout killed the command once both runs had finished). Wall times are then unknown (``null``);
+runs with different iteration counts are cut to the shorter one (with a note). Shared flags, when
+given, are still checked like for like; ``--max-loss-rtol`` applies.
 
 Refuses (exit code 2, before running anything) comparisons that would not be like for like:
 ``--no-hyscale``/``--hyscale``/``--spec``/``--hyscale-run-name``/``--hyscale-metrics-file``
@@ -87,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--core-loop", action="store_true", help="Pass --hyscale-core-loop to both runs.")
     p.add_argument("--max-loss-rtol", type=float, default=None,
                    help="Fail (exit 3) when the max relative LM-loss difference exceeds this.")
+    p.add_argument("--summarize-only", action="store_true",
+                   help="Do not train: rebuild iterations.csv, summary.md/json and comparison.png from "
+                        "OUT/stock.jsonl, OUT/hyscale.jsonl and OUT/meta.json (e.g. after a run was cut short).")
     return p
 
 
@@ -244,7 +255,7 @@ def _rel(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def summarize(records: dict[str, list[dict]], walls: dict[str, float], meta: dict) -> dict:
+def summarize(records: dict[str, list[dict]], walls: dict[str, Optional[float]], meta: dict) -> dict:
     s: dict = {"meta": meta, "runs": {}}
     for run in RUNS:
         recs = records[run]
@@ -306,6 +317,8 @@ def summary_markdown(s: dict) -> str:
         "the same function: in fp32 the LM losses agree to ~1e-4 relative while both select the same top-k "
         "sets (exact score ties may resolve differently); in bf16 expect bf16 noise (~1e-2).",
     ]
+    if s.get("truncated"):
+        lines += ["", f"Note: {s['truncated']['note']}"]
     if m.get("device") != "cuda":
         lines += ["", "CPU numbers show the mechanics, not GPU performance: HyScale's kernels are measured on the GPU."]
     return "\n".join(lines) + "\n"
@@ -363,24 +376,86 @@ def _meta(opts, shared: list[str], backend: str) -> dict:
                 date=time.strftime("%Y-%m-%d %H:%M"), argv=shared)
 
 
-def write_outputs(out: Path, records: dict[str, list[dict]], walls: dict[str, float], meta: dict) -> dict:
+def write_outputs(out: Path, records: dict[str, list[dict]], walls: dict[str, Optional[float]], meta: dict,
+                  truncate: bool = False) -> dict:
+    """Write iterations.csv, summary.json, summary.md and comparison.png; returns the summary.
+
+    Different iteration counts are an error, unless ``truncate``: then both runs are cut to the
+    shorter count, a note is printed and recorded (``summary["truncated"]``)."""
     for run in RUNS:
         if not records.get(run):
             raise RuntimeError(f"the {run} run logged no iterations")
     n = {run: len(records[run]) for run in RUNS}
+    truncated = None
     if n["stock"] != n["hyscale"]:
-        raise RuntimeError(f"the runs logged different iteration counts: {n}")
+        if not truncate:
+            raise RuntimeError(f"the runs logged different iteration counts: {n}")
+        keep = min(n.values())
+        truncated = dict(n, used=keep, note=f"the runs logged different iteration counts (stock {n['stock']}, "
+                                             f"hyscale {n['hyscale']}); both cut to the first {keep}.")
+        print(f"[hyscale-compare] note: {truncated['note']}", flush=True)
+        records = {run: records[run][:keep] for run in RUNS}
     write_csv(out / "iterations.csv", records)
     s = summarize(records, walls, meta)
+    if truncated:
+        s["truncated"] = truncated
     (out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
     (out / "summary.md").write_text(summary_markdown(s))
     plot(out / "comparison.png", records, s)
     return s
 
 
+# keys of meta.json; a hand-written one may leave some out ("unknown")
+META_KEYS = ("config", "device", "device_name", "torch", "megatron", "stock_backend", "date")
+
+
+def _report(opts, out: Path, s: dict, t0: float) -> int:
+    print(summary_markdown(s), flush=True)
+    print(f"[hyscale-compare] wrote {out}/iterations.csv, summary.md, comparison.png "
+          f"({time.perf_counter() - t0:.1f} s total)", flush=True)
+    if opts.max_loss_rtol is not None and (s["max_rel_lm_loss_diff"] or 0.0) > opts.max_loss_rtol:
+        print(f"hyscale-compare: max relative LM-loss difference {s['max_rel_lm_loss_diff']:.3g} exceeds "
+              f"--max-loss-rtol {opts.max_loss_rtol}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def summarize_only(opts, rest: list[str]) -> int:
+    """``--summarize-only``: rebuild the outputs in ``opts.out`` from the runs' metrics files and meta.json."""
+    if rest or opts.hyscale_args:  # flags given: they must still describe a like-for-like comparison
+        try:
+            check_like_for_like(expand_arg_files(rest), shlex.split(opts.hyscale_args))
+        except (CompareRefused, TrainConfigError) as exc:
+            print(f"hyscale-compare: {exc}", file=sys.stderr)
+            return 2
+    out = Path(opts.out)
+    meta_path = out / "meta.json"
+    if not meta_path.is_file():
+        example = json.dumps(dict(config="@configs/deepseek_v32_1gpu.args --train-iters 20", device="cuda",
+                                  device_name="NVIDIA H200", stock_backend="tilelang"))
+        print(f"hyscale-compare: --summarize-only needs {meta_path}, which is missing. hyscale-compare writes it "
+              f"before the runs start; for a comparison without one, write it by hand, e.g. {example} "
+              f"(keys {', '.join(META_KEYS)}; missing ones read 'unknown').", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    try:
+        loaded = json.loads(meta_path.read_text())
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{meta_path} must hold a JSON object")
+        meta = {**dict.fromkeys(META_KEYS, "unknown"), **loaded}
+        records = {run: read_metrics(out / f"{run}.jsonl") for run in RUNS}
+        s = write_outputs(out, records, {}, meta, truncate=True)
+    except (RuntimeError, ValueError) as exc:  # ValueError: a malformed meta.json / jsonl line
+        print(f"hyscale-compare: --summarize-only: {exc}", file=sys.stderr)
+        return 2
+    return _report(opts, out, s, t0)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts, rest = _parser().parse_known_args(argv)
+    if opts.summarize_only:
+        return summarize_only(opts, rest)
     try:
         shared = expand_arg_files(rest)
         check_like_for_like(shared, shlex.split(opts.hyscale_args))
@@ -392,20 +467,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     backend = stock_backend(opts.stock_backend)
     cmds = run_commands(opts, rest, out)  # keep @files in the command lines: shorter, and they are expanded there
     meta = _meta(opts, rest, backend)
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))  # first: a cut-short comparison keeps it
     walls = {}
     t0 = time.perf_counter()
     for run in RUNS:
         walls[run] = run_one(run, cmds[run], out)
     records = {run: read_metrics(out / f"{run}.jsonl") for run in RUNS}
     s = write_outputs(out, records, walls, meta)
-    print(summary_markdown(s), flush=True)
-    print(f"[hyscale-compare] wrote {out}/iterations.csv, summary.md, comparison.png "
-          f"({time.perf_counter() - t0:.1f} s total)", flush=True)
-    if opts.max_loss_rtol is not None and (s["max_rel_lm_loss_diff"] or 0.0) > opts.max_loss_rtol:
-        print(f"hyscale-compare: max relative LM-loss difference {s['max_rel_lm_loss_diff']:.3g} exceeds "
-              f"--max-loss-rtol {opts.max_loss_rtol}", file=sys.stderr)
-        return 3
-    return 0
+    return _report(opts, out, s, t0)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """hyscale-compare on CPU: refusals, output files, and an end-to-end run on the tiny config."""
 
 import csv
+import json
 import math
 from pathlib import Path
 
@@ -98,3 +99,107 @@ def test_compare_tiny_cpu_end_to_end(tmp_path, capsys):
         assert text in summary, text
     assert "DSAttention" in (out / "stock.log").read_text()
     assert "HyScaleDSAttention" in (out / "hyscale.log").read_text()
+
+
+META = dict(config="@configs/x.args", device="cuda", device_name="NVIDIA H200", torch="t", megatron="m",
+            stock_backend="tilelang", date="d", argv=[])
+
+
+def _write_run(out, recs, meta=META):
+    out.mkdir(parents=True, exist_ok=True)
+    for run, rs in recs.items():
+        (out / f"{run}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    if meta is not None:
+        (out / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def test_summarize_only_rebuilds_outputs(tmp_path, capsys):
+    out = tmp_path / "cut"
+    st, hs = _fake("stock", 4, 4.0, 20.0), _fake("hyscale", 4, 4.0, 10.0)
+    for i, ms in enumerate((100.0, 21.0, 19.0, 23.0)):  # first iteration (warm-up) excluded from the medians
+        st[i]["step_ms"] = ms
+    for i, ms in enumerate((90.0, 11.0, 9.0, 10.0)):
+        hs[i]["step_ms"] = ms
+    hs[2]["lm_loss"] *= 1 + 1e-6
+    _write_run(out, {"stock": st, "hyscale": hs})
+    assert compare.main(["--out", str(out), "--summarize-only", "--max-loss-rtol", "1e-4"]) == 0
+    printed = capsys.readouterr().out
+    assert "# Stock DSA vs HyScale" in printed and f"wrote {out}/iterations.csv" in printed
+    for name in ("iterations.csv", "summary.md", "summary.json", "comparison.png"):
+        assert (out / name).is_file(), name
+    assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = list(csv.DictReader(open(out / "iterations.csv")))
+    assert [(r["run"], int(r["iteration"])) for r in rows] == [("stock", i) for i in (1, 2, 3, 4)] + \
+        [("hyscale", i) for i in (1, 2, 3, 4)]
+    assert [float(r["step_ms"]) for r in rows] == [100.0, 21.0, 19.0, 23.0, 90.0, 11.0, 9.0, 10.0]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["speedup"] == pytest.approx(21.0 / 10.0)  # median(21, 19, 23) / median(11, 9, 10)
+    assert s["runs"]["stock"]["wall_s"] is None and s["runs"]["hyscale"]["wall_s"] is None
+    assert s["max_rel_lm_loss_diff"] == pytest.approx(1e-6, rel=1e-3)
+    assert s["meta"]["device_name"] == "NVIDIA H200" and "truncated" not in s
+    assert "2.10x" in (out / "summary.md").read_text()
+    # --max-loss-rtol applies
+    assert compare.main(["--out", str(out), "--summarize-only", "--max-loss-rtol", "1e-7"]) == 3
+    assert "exceeds --max-loss-rtol" in capsys.readouterr().err
+
+
+def test_summarize_only_needs_meta_json(tmp_path, capsys):
+    out = tmp_path / "cut"
+    _write_run(out, {"stock": _fake("stock", 2, 4.0, 20.0), "hyscale": _fake("hyscale", 2, 4.0, 10.0)}, meta=None)
+    assert compare.main(["--out", str(out), "--summarize-only"]) == 2
+    err = capsys.readouterr().err
+    assert str(out / "meta.json") in err and "write it by hand" in err, err
+    assert not (out / "summary.md").exists()
+    # a hand-written meta.json with only some keys is enough
+    (out / "meta.json").write_text(json.dumps({"device": "cuda", "stock_backend": "tilelang"}))
+    assert compare.main(["--out", str(out), "--summarize-only"]) == 0
+    assert "config: `unknown`" in (out / "summary.md").read_text()
+
+
+def test_summarize_only_truncates_unequal_runs(tmp_path, capsys):
+    out = tmp_path / "cut"
+    _write_run(out, {"stock": _fake("stock", 5, 4.0, 20.0), "hyscale": _fake("hyscale", 3, 4.0, 10.0)})
+    assert compare.main(["--out", str(out), "--summarize-only"]) == 0
+    printed = capsys.readouterr().out
+    assert "note: the runs logged different iteration counts (stock 5, hyscale 3); both cut to the first 3" \
+        in printed, printed
+    rows = list(csv.DictReader(open(out / "iterations.csv")))
+    assert [(r["run"], int(r["iteration"])) for r in rows] == [("stock", i) for i in (1, 2, 3)] + \
+        [("hyscale", i) for i in (1, 2, 3)]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["runs"]["stock"]["iterations"] == s["runs"]["hyscale"]["iterations"] == 3
+    assert s["truncated"]["used"] == 3
+    assert "both cut to the first 3" in (out / "summary.md").read_text()
+
+
+def test_summarize_only_still_checks_given_flags(tmp_path, capsys):
+    out = tmp_path / "cut"
+    _write_run(out, {"stock": _fake("stock", 2, 4.0, 20.0), "hyscale": _fake("hyscale", 2, 4.0, 10.0)})
+    assert compare.main(["--out", str(out), "--summarize-only", TINY, "--no-hyscale"]) == 2
+    assert "needs HyScale in one of the two runs" in capsys.readouterr().err
+    assert not (out / "summary.md").exists()
+    assert compare.main(["--out", str(out), "--summarize-only", TINY]) == 0
+
+
+def test_meta_json_written_before_the_runs(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    seen = []
+
+    def fake_run_one(name, cmd, out_dir):
+        seen.append((name, json.loads((out_dir / "meta.json").read_text())))  # already there
+        (out_dir / f"{name}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in _fake(name, 3, 4.0, 20.0 if name == "stock" else 10.0)))
+        return 1.5
+
+    monkeypatch.setattr(compare, "run_one", fake_run_one)
+    assert compare.main(["--out", str(out), TINY, "--iters", "3"]) == 0
+    assert [name for name, _ in seen] == ["stock", "hyscale"]
+    meta = seen[0][1]
+    assert meta["config"].endswith("tiny_cpu.args --train-iters 3") and meta["argv"] == [TINY]
+    assert set(compare.META_KEYS) <= set(meta)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["speedup"] == pytest.approx(2.0) and s["runs"]["stock"]["wall_s"] == 1.5
+    # the normal path stays strict about unequal iteration counts
+    with pytest.raises(RuntimeError, match="different iteration counts"):
+        compare.write_outputs(out, {"stock": _fake("stock", 3, 4.0, 1.0), "hyscale": _fake("hyscale", 2, 4.0, 1.0)},
+                              {}, meta)
