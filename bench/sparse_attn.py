@@ -125,10 +125,16 @@ def causal_indices(T, K, seed=0):
     return idx
 
 
-def rel(a, b):
-    a, b = a.float(), b.float()
-    fin = torch.isfinite(b)
-    return ((a[fin] - b[fin]).norm() / b[fin].norm().clamp_min(1e-12)).item()
+def rel(a, b, rows=2048):
+    """||a - b|| / ||b|| over b's finite entries, in row chunks: whole-tensor fp32 copies at 64K x 128
+    heads (~17 GiB each, plus masks) ran the 2026-12-02 run out of memory after stock's timings."""
+    num = den = 0.0
+    for r0 in range(0, b.shape[0], rows):
+        x, y = a[r0:r0 + rows].float(), b[r0:r0 + rows].float()
+        fin = torch.isfinite(y)
+        num += float(((x - y)[fin] ** 2).sum())
+        den += float((y[fin] ** 2).sum())
+    return (num ** 0.5) / max(den ** 0.5, 1e-12)
 
 
 def precompile_worker(spec):
@@ -322,9 +328,6 @@ def main():
                     torch.cuda.synchronize()
                     jit_s += time.time() - t0
                     ts_b = timed(sbw)
-                    errs["out_vs_stock"] = rel(out, s_out)
-                    errs["dq_vs_stock"] = rel(dq, s_dq)
-                    errs["dkv_vs_stock"] = rel(dkv, s_dkv.reshape(dkv.shape))
                     emit(kind="attn", T=T, N=N, k=K, impl="stock-tilelang", phase="fwd", **ts_f,
                          tflops=round(f_fl / ts_f["ms"] / 1e9, 1), first_call_s=round(jit_s, 1))
                     emit(kind="attn", T=T, N=N, k=K, impl="stock-tilelang", phase="bwd", **ts_b,
@@ -332,6 +335,10 @@ def main():
                          note="delta+bwd kernels; stock autograd also recomputes fwd first")
                     rec.update(stock_fwd=ts_f["ms"], stock_bwd=ts_b["ms"],
                                fwd_speedup=round(ts_f["ms"] / tf["ms"], 2), bwd_speedup=round(ts_b["ms"] / tb["ms"], 2))
+                    # cross-checks after the timings are saved (a failure here no longer loses them)
+                    errs["out_vs_stock"] = rel(out, s_out)
+                    errs["dq_vs_stock"] = rel(dq, s_dq)
+                    errs["dkv_vs_stock"] = rel(dkv, s_dkv.reshape(dkv.shape))
                     del s_out, s_lse, s_dq, s_dkv
                 except Exception as ex:  # noqa: BLE001
                     say(f"stock T={T} N={N} failed: {type(ex).__name__}: {str(ex)[:300]}")
