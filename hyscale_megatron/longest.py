@@ -6,7 +6,8 @@ Usage::
     hyscale-longest --out runs/longest @configs/glm51_1gpu.args --seq-lengths 65536,262144
     hyscale-longest --out runs/tiny --seq-lengths 64,128 --iters 2 @configs/tiny_cpu.args   # CPU demo
 
-Trains the config (default ``@configs/deepseek_v32_1gpu.args`` when no ``@FILE`` is given; other
+Trains the config (default ``@configs/deepseek_v32_longest.args`` -- the 1-GPU DeepSeek-V3.2-like
+model cut to what fits at 1M tokens: 16 heads, 2 layers, small vocabulary -- when no ``@FILE`` is given; other
 unknown arguments are ``hyscale-train`` / Megatron flags shared by every run) for ``--iters``
 iterations (default 3) at each of ``--seq-lengths`` (default 32768,131072,524288,1048576), with
 full activation recompute and HyScale's selection replay, for stock DSA and for HyScale. Each
@@ -48,7 +49,7 @@ from .train import TrainConfigError, expand_arg_files
 PROG = "hyscale-longest"
 KINDS = compare.RUNS  # ("stock", "hyscale"): stock first at each length
 DEFAULT_SEQ_LENGTHS = (32768, 131072, 524288, 1048576)
-DEFAULT_CONFIG = "configs/deepseek_v32_1gpu.args"
+DEFAULT_CONFIG = "configs/deepseek_v32_longest.args"
 CSV_FIELDS = ("kind", "seq_len", "status", "median_step_ms", "tokens_per_s", "peak_mem_bytes", "replay_store_bytes",
               "error")
 OOM_PATTERNS = (re.compile(r"torch\.(cuda\.)?OutOfMemoryError"), re.compile(r"CUDA out of memory"),
@@ -96,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _default_config() -> str:
-    """``@configs/deepseek_v32_1gpu.args`` from the working directory, else from this checkout."""
+    """``@configs/deepseek_v32_longest.args`` from the working directory, else from this checkout."""
     here = Path(DEFAULT_CONFIG)
     if here.is_file():
         return f"@{here}"

@@ -144,7 +144,7 @@ def test_refusals(argv, msg, tmp_path, capsys):
 
 def test_default_config_is_the_deepseek_v32_one(tmp_path):
     rest = longest.with_default_config(["--micro-batch-size", "1"])
-    assert rest[0].startswith("@") and rest[0].endswith("configs/deepseek_v32_1gpu.args")
+    assert rest[0].startswith("@") and rest[0].endswith("configs/deepseek_v32_longest.args")
     assert Path(rest[0][1:]).is_file()
     assert longest.with_default_config([TINY]) == [TINY]
     opts = longest._parser().parse_args([])

@@ -139,10 +139,10 @@ def test_core_loop_refuses_tied_embeddings_with_pp():
         train._check_core_loop_args(args)
 
 
-@pytest.mark.parametrize("name", ["tiny_cpu", "deepseek_v32_1gpu", "glm51_1gpu", "deepseek_v32_multigpu",
-                                  "glm51_multigpu"])
+@pytest.mark.parametrize("name", ["tiny_cpu", "deepseek_v32_1gpu", "deepseek_v32_longest", "glm51_1gpu",
+                                  "deepseek_v32_multigpu", "glm51_multigpu"])
 def test_configs_parse_with_megatron(name):
-    extra = [] if "1gpu" in name or name == "tiny_cpu" else [
+    extra = [] if "1gpu" in name or name in ("tiny_cpu", "deepseek_v32_longest") else [
         "--transformer-impl", "local", "--mock-data", "--seq-length", "4096", "--max-position-embeddings", "4096",
         "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "5"]
     args = train.parse_train_args([f"@{ROOT / 'configs' / (name + '.args')}", *extra])
@@ -150,7 +150,9 @@ def test_configs_parse_with_megatron(name):
     if name != "tiny_cpu":
         assert args.dsa_indexer_topk == 2048 and args.dsa_indexer_head_dim == 128 and args.kv_lora_rank == 512
         assert args.qk_pos_emb_head_dim == 64
-        assert (args.num_attention_heads, args.dsa_indexer_n_heads) in ((128, 64), (64, 32))
+        # the longest-sequence config keeps one TP-8 shard of DeepSeek-V3.2's 128 heads
+        assert (args.num_attention_heads, args.dsa_indexer_n_heads) in ((128, 64), (64, 32), (16, 64))
+    assert not args.create_attention_mask_in_dataloader, "a [S, S] mask per sample: 4 GiB at 64K"
         assert args.dsa_indexer_rope_interleaved == name.startswith("glm")
 
 
