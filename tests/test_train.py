@@ -152,8 +152,8 @@ def test_configs_parse_with_megatron(name):
         assert args.qk_pos_emb_head_dim == 64
         # the longest-sequence config keeps one TP-8 shard of DeepSeek-V3.2's 128 heads
         assert (args.num_attention_heads, args.dsa_indexer_n_heads) in ((128, 64), (64, 32), (16, 64))
-    assert not args.create_attention_mask_in_dataloader, "a [S, S] mask per sample: 4 GiB at 64K"
         assert args.dsa_indexer_rope_interleaved == name.startswith("glm")
+    assert not args.create_attention_mask_in_dataloader, "a [S, S] mask per sample: 4 GiB at 64K"
 
 
 def test_launch_scripts_differ_only_in_spec_and_hyscale_flags():
