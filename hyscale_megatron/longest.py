@@ -16,6 +16,11 @@ appended, built and run by ``hyscale-compare``'s own functions (``run_commands``
 choice, stock at its best available backend, ``--stock-backend`` to override; ``run_process``:
 the subprocess runner with visible progress). Per length, stock runs first, then HyScale.
 
+With ``--run-timeout-s`` each run is wrapped in ``timeout`` (exit code 124 when it fires): a run
+that finished at least one iteration within the limit is ``partial`` (it trained at that length;
+metrics from the iterations it logged), one that did not is ``timeout``; either stops that kind
+(neither is an out-of-memory). ``--kinds`` runs only stock or only HyScale.
+
 A kind stops at its first out-of-memory: a log that contains ``torch.OutOfMemoryError``,
 ``CUDA out of memory`` or ``out of memory``, or a process killed by SIGKILL (the kernel's OOM
 killer: return code -9, or 137 through a shell or launcher). Any other non-zero exit (or a run
@@ -93,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hyscale-args", default="", help="Extra --hyscale-* flags for the HyScale runs only.")
     p.add_argument("--launcher", default="", help="Command prefix for each run (default: this Python).")
     p.add_argument("--core-loop", action="store_true", help="Pass --hyscale-core-loop to every run.")
+    p.add_argument("--run-timeout-s", type=float, default=None,
+                   help="Wall-clock limit per run (coreutils timeout). A run that hits it is 'timeout' (or "
+                        "'partial' when it finished at least one iteration) and its kind stops: longer lengths "
+                        "would not be faster. Default: no limit.")
+    p.add_argument("--kinds", default="stock,hyscale",
+                   help="Which runs, comma-separated: stock, hyscale or both (default both), e.g. to split a "
+                        "sweep over several sessions.")
     return p
 
 
@@ -151,8 +163,17 @@ def first_error_line(rc: int, log_text: str) -> str:
     return f"exit code {rc}" + (f": {lines[-1][:200]}" if lines else "")
 
 
-def classify(rc: int, log_text: str, records: list[dict]) -> tuple[str, str]:
-    """(status, error line): ``ok`` (exit 0 and at least one iteration logged), ``oom`` or ``error``."""
+TIMEOUT_RC = 124  # coreutils timeout, when the limit fired (SIGTERM)
+
+
+def classify(rc: int, log_text: str, records: list[dict], timeout_s: Optional[float] = None) -> tuple[str, str]:
+    """(status, error line): ``ok`` (exit 0 and at least one iteration logged), ``oom``, ``error``, or with a
+    time limit ``partial`` / ``timeout`` (the limit fired after / before the first logged iteration)."""
+    if timeout_s is not None and rc == TIMEOUT_RC:
+        done = len(records)
+        if done:
+            return "partial", f"time limit {timeout_s:g} s reached after {done} iteration(s)"
+        return "timeout", f"time limit {timeout_s:g} s reached before the first iteration finished"
     if rc == 0:
         if records:
             return "ok", ""
@@ -183,10 +204,25 @@ def _read_records(path: Path) -> list[dict]:
         return []
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k for k in text.replace(" ", "").split(",") if k)
+    bad = [k for k in kinds if k not in KINDS]
+    if not kinds or bad:
+        raise LongestRefused(f"--kinds wants a comma-separated subset of {', '.join(KINDS)}, got {text!r}")
+    return tuple(k for k in KINDS if k in kinds)  # stock first
+
+
+def _with_timeout(cmd: list, timeout_s: Optional[float]) -> list:
+    # SIGTERM first (exit code 124), SIGKILL 60 s later if the process ignores it
+    return cmd if timeout_s is None else ["timeout", "--kill-after=60", f"{timeout_s:g}", *cmd]
+
+
 def sweep(opts, rest: Sequence[str], out: Path, runner: Runner = default_runner) -> list[dict]:
     """Run every (length, kind) in increasing length, stock first; a kind stops at its first
-    ``oom`` (or ``error``). Returns one row per run, in the order run."""
-    stopped: dict[str, str] = {}
+    ``oom``, ``error``, ``partial`` or ``timeout``. Returns one row per run, in the order run."""
+    kinds = _kinds(getattr(opts, "kinds", ",".join(KINDS)))
+    timeout_s = getattr(opts, "run_timeout_s", None)
+    stopped: dict[str, str] = {k: "not requested" for k in KINDS if k not in kinds}
     rows: list[dict] = []
     for seq in opts.seq_lengths:
         if len(stopped) == len(KINDS):
@@ -199,13 +235,16 @@ def sweep(opts, rest: Sequence[str], out: Path, runner: Runner = default_runner)
             if kind in stopped:
                 continue
             print(f"[{PROG}] seq_len {seq}: {kind} ...", flush=True)
-            rc = runner(kind, cmds[kind], run_dir)
+            rc = runner(kind, _with_timeout(cmds[kind], timeout_s), run_dir)
             log = run_dir / f"{kind}.log"
             log_text = log.read_text(errors="replace") if log.exists() else ""
-            records = _read_records(run_dir / f"{kind}.jsonl") if rc == 0 else []
-            status, err = classify(rc, log_text, records)
+            timed_out = timeout_s is not None and rc == TIMEOUT_RC
+            records = _read_records(run_dir / f"{kind}.jsonl") if rc == 0 or timed_out else []
+            status, err = classify(rc, log_text, records, timeout_s)
             row = dict(kind=kind, seq_len=seq, status=status, median_step_ms=None, tokens_per_s=None,
                        peak_mem_bytes=None, replay_store_bytes=None, error=err)
+            if status == "partial":  # it trained at this length: keep what it measured
+                row.update(run_metrics(records))
             if status == "ok":
                 row.update(run_metrics(records))
                 print(f"[{PROG}] seq_len {seq}: {kind} ok -- median step {row['median_step_ms']:.1f} ms, "
@@ -220,7 +259,8 @@ def sweep(opts, rest: Sequence[str], out: Path, runner: Runner = default_runner)
 
 
 def longest_ok(rows: list[dict], kind: str) -> Optional[int]:
-    ok = [r["seq_len"] for r in rows if r["kind"] == kind and r["status"] == "ok"]
+    """Longest length where the kind trained: all iterations (ok) or at least one before the time limit."""
+    ok = [r["seq_len"] for r in rows if r["kind"] == kind and r["status"] in ("ok", "partial")]
     return max(ok) if ok else None
 
 
@@ -236,6 +276,8 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 def _verdict(rows: list[dict], kind: str, lengths: list[int]) -> str:
     best = longest_ok(rows, kind)
     mine = [r for r in rows if r["kind"] == kind]
+    if not mine:
+        return "not run"
     last = mine[-1] if mine else None
     if best is None:
         text = "none"
@@ -245,6 +287,10 @@ def _verdict(rows: list[dict], kind: str, lengths: list[int]) -> str:
         text += f" (out of memory at {last['seq_len']})"
     elif last is not None and last["status"] == "error":
         text += f" (failed with an error at {last['seq_len']}, not an OOM)"
+    elif last is not None and last["status"] == "partial":
+        text += f" ({last['error']} at {last['seq_len']}; longer lengths not tried)"
+    elif last is not None and last["status"] == "timeout":
+        text += f" (no iteration within the time limit at {last['seq_len']}: not an OOM; longer lengths not tried)"
     elif best is not None and best == max(lengths):
         text += " (the longest tried; did not run out of memory)"
     return text
@@ -276,7 +322,7 @@ def markdown(rows: list[dict], lengths: list[int], meta: dict, iters: int) -> st
         status = {k: ("not run" if r is None else r["status"].upper() if r["status"] != "ok" else "ok")
                   for k, r in (("stock", st), ("hyscale", hs))}
         speed = ""
-        if st and hs and st["status"] == hs["status"] == "ok":
+        if st and hs and st.get("median_step_ms") and hs.get("median_step_ms"):
             speed = f"{st['median_step_ms'] / hs['median_step_ms']:.2f}x"
         lines.append(
             f"| {seq} | {status['stock']} | {cell(st, 'median_step_ms', '{:.1f}')} | {cell(st, 'tokens_per_s', '{:.0f}')} "
@@ -290,7 +336,9 @@ def markdown(rows: list[dict], lengths: list[int], meta: dict, iters: int) -> st
         f"HyScale's: {_verdict(rows, 'hyscale', lengths)}**",
         "",
         f"Step time: median without the warm-up iteration. Peak memory: {mem_kind}. \"not run\": the kind had "
-        "already stopped (OOM or error) at a shorter length.",
+        "already stopped (OOM, error or time limit) at a shorter length, or was not requested (`--kinds`). "
+        "PARTIAL: the per-run time limit fired after at least one iteration (it trained at that length; "
+        "step time from the iterations logged).",
     ]
     errs = [r for r in rows if r["status"] != "ok"]
     if errs:
@@ -308,11 +356,15 @@ def main(argv: Optional[Sequence[str]] = None, runner: Runner = default_runner) 
     if opts.iters < 1:
         print(f"{PROG}: --iters must be >= 1", file=sys.stderr)
         return 2
+    if opts.run_timeout_s is not None and opts.run_timeout_s <= 0:
+        print(f"{PROG}: --run-timeout-s must be > 0 seconds, got {opts.run_timeout_s:g}", file=sys.stderr)
+        return 2
     rest = with_default_config(rest)
     hyscale_only = shlex.split(opts.hyscale_args)
     try:
         shared = expand_arg_files(rest)
         check_longest(shared, hyscale_only)
+        _kinds(opts.kinds)
     except (compare.CompareRefused, LongestRefused, TrainConfigError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2

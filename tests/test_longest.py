@@ -179,3 +179,64 @@ def test_longest_tiny_cpu_end_to_end(tmp_path, capsys):
     assert "| 64 | ok |" in md and "| 128 | ok |" in md
     assert ("stock's longest trainable length: 128 (the longest tried; did not run out of memory); "
             "HyScale's: 128 (the longest tried; did not run out of memory)") in md
+
+
+class TimeoutRunner(FakeRunner):
+    """Like FakeRunner, but the time limit fires at `slow_at` (after one logged iteration when `partial`)."""
+
+    def __init__(self, oom_at, slow_at, partial):
+        super().__init__(oom_at)
+        self.slow_at, self.partial = slow_at, partial
+
+    def __call__(self, kind, cmd, run_dir):
+        assert cmd[:3] == ["timeout", "--kill-after=60", "90"], "every run is wrapped in the time limit"
+        inner = cmd[3:]
+        if int(inner[inner.index("--seq-length") + 1]) >= self.slow_at.get(kind, 1 << 62):
+            self.calls.append((kind, int(inner[inner.index("--seq-length") + 1]), inner))
+            (run_dir / f"{kind}.log").write_text(" [..] iteration        1/       3 |\n" if self.partial else "")
+            recs = REC[:1] if self.partial else []
+            (run_dir / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+            return longest.TIMEOUT_RC
+        return super().__call__(kind, inner, run_dir)
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_time_limit_is_not_an_oom(tmp_path, partial):
+    fake = TimeoutRunner({"stock": 1 << 30, "hyscale": 1 << 30}, {"stock": 256}, partial)
+    rc = longest.main(["--out", str(tmp_path), TINY, "--seq-lengths", "128,256,512", "--run-timeout-s", "90"],
+                      runner=fake)
+    assert rc == 0, "a time limit is not a failure of the code"
+    assert [(k, s) for k, s, _ in fake.calls] == [("stock", 128), ("hyscale", 128), ("stock", 256), ("hyscale", 256),
+                                                  ("hyscale", 512)], "stock stops after its time limit"
+    rows = {(r["kind"], int(r["seq_len"])): r for r in _rows(tmp_path / "longest.csv")}
+    slow = rows[("stock", 256)]
+    md = (tmp_path / "longest.md").read_text()
+    if partial:
+        assert slow["status"] == "partial" and float(slow["median_step_ms"]) == 30.0
+        assert "after 1 iteration(s)" in slow["error"]
+        assert "stock's longest trainable length: 256 (time limit 90 s reached after 1 iteration(s) at 256" in md
+    else:
+        assert slow["status"] == "timeout" and slow["median_step_ms"] == ""
+        assert "stock's longest trainable length: 128 (no iteration within the time limit at 256: not an OOM" in md
+    assert "HyScale's: 512 (the longest tried" in md
+
+
+def test_kinds_and_bad_limits(tmp_path, capsys):
+    fake = FakeRunner({"stock": 1 << 30, "hyscale": 1 << 30})
+    assert longest.main(["--out", str(tmp_path), TINY, "--seq-lengths", "64,128", "--kinds", "hyscale"],
+                        runner=fake) == 0
+    assert [(k, s) for k, s, _ in fake.calls] == [("hyscale", 64), ("hyscale", 128)]
+    md = (tmp_path / "longest.md").read_text()
+    assert "stock's longest trainable length: not run" in md and "| 64 | not run |" in md
+    assert longest.main(["--out", str(tmp_path), TINY, "--kinds", "stock,dense"], runner=fake) == 2
+    assert "--kinds wants" in capsys.readouterr().err
+    assert longest.main(["--out", str(tmp_path), TINY, "--run-timeout-s", "0"], runner=fake) == 2
+    assert "--run-timeout-s must be > 0" in capsys.readouterr().err
+
+
+def test_real_time_limit_with_the_tiny_config(tmp_path):
+    """Real subprocesses under coreutils timeout: 1 s is less than the start-up, so both time out."""
+    rc = longest.main(["--out", str(tmp_path), TINY, "--seq-lengths", "64,128", "--iters", "1", "--run-timeout-s", "1"])
+    assert rc == 0
+    rows = [(r["kind"], int(r["seq_len"]), r["status"]) for r in _rows(tmp_path / "longest.csv")]
+    assert rows == [("stock", 64, "timeout"), ("hyscale", 64, "timeout")]
