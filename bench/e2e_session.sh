@@ -3,9 +3,11 @@
 # config, stock (TileLang backend) vs HyScale, then a 100-iteration loss-parity run.
 #   1) 64K tokens, full recompute, ITERS iterations (the headline step-time comparison);
 #   2) the same model at PARITY_SEQ tokens for 100 iterations (LM + indexer loss curves).
-# STEPS picks them (default "v32 parity"; "tiny" adds the tiny config through pretrain first).
+# STEPS picks them (default "v32 parity"; "tiny" adds the tiny config through pretrain first;
+# "longest" runs hyscale-longest).
 # Usage on the device (carry .whl-tl and .tlcache):  OUT=$OUT bash bench/e2e_session.sh
-# Back in $OUT (<= 8 files): <run>/{iterations.csv,summary.md,comparison.png} per run + logs.tar.gz.
+# Back in $OUT: <run>/{iterations.csv,summary.md,comparison.png} per compare step, longest/longest.{csv,md},
+# and logs.tar.gz (logs, metrics files); the device tool returns 8 files: at most two compare steps per call.
 set -u
 mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl-tl/site.tar.xz
 [ -d .tlcache ] && mkdir -p /tmp/tlcache && cp -r .tlcache/. /tmp/tlcache/
@@ -26,7 +28,16 @@ case " $STEPS " in *" v32 "*) cmp v32_64k "${CMP_TIMEOUT:-330}" --iters "${ITERS
 PS=${PARITY_SEQ:-8192}
 case " $STEPS " in *" parity "*) cmp "parity_$PS" "${PARITY_TIMEOUT:-220}" --iters 100 @configs/deepseek_v32_1gpu.args \
   --seq-length "$PS" --max-position-embeddings "$PS";; esac
+# longest: hyscale-longest on its default config (16 heads = one TP-8 shard, 2 layers), replay offloaded;
+# LONGEST_KINDS / LONGEST_SEQS / LONGEST_RUN_S split it over calls (stock's selection takes minutes at 512K+)
+case " $STEPS " in *" longest "*)
+  echo "== longest ($(date +%T))"
+  timeout "${LONGEST_TIMEOUT:-540}" python3 -m hyscale_megatron.longest --out "$OUT/longest" --iters "${LONGEST_ITERS:-2}" \
+    --seq-lengths "${LONGEST_SEQS:-32768,131072,524288,1048576}" --kinds "${LONGEST_KINDS:-stock,hyscale}" \
+    --run-timeout-s "${LONGEST_RUN_S:-240}" --hyscale-args=--hyscale-replay-offload > "$OUT/longest.console.txt" 2>&1
+  echo "longest rc=$?"; cat "$OUT/longest/longest.md" 2>/dev/null || grep -v -i warn "$OUT/longest.console.txt" | tail -20
+  ;; esac
 # keep the file count under the device tool's 8: logs go into one archive
-(cd "$OUT" && tar czf logs.tar.gz --ignore-failed-read *.console.txt */*.log */summary.json 2>/dev/null;
- rm -f *.console.txt */*.log */summary.json)
+(cd "$OUT" && tar czf logs.tar.gz --ignore-failed-read *.console.txt */*.log */*.jsonl */L* */summary.json 2>/dev/null;
+ rm -rf *.console.txt */*.log */*.jsonl */L* */summary.json)
 ls -R "$OUT"
