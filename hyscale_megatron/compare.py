@@ -5,6 +5,7 @@ Usage::
     hyscale-compare --out runs/tiny_cpu @configs/tiny_cpu.args --train-iters 10
     hyscale-compare --out runs/v32 --launcher "torchrun --nproc-per-node 1" @configs/deepseek_v32_1gpu.args
     hyscale-compare --out runs/v32 --summarize-only      # rebuild the outputs of a run that was cut short
+    hyscale-compare --out runs/v32 --noise-ref none --require-parity @configs/deepseek_v32_1gpu.args  # bf16 bound
 
 Every argument that is not one of the options below is a ``hyscale-train`` (= Megatron) flag and
 goes, unchanged, to BOTH runs. The two command lines differ only in
@@ -21,7 +22,7 @@ indexer loss itself; anything it does not replace runs the same stock code in bo
 
 Runs are separate subprocesses (``python -m hyscale_megatron.train`` or ``--launcher``), stock
 first, so each has a clean process (and its own peak memory). Their per-iteration log lines are
-echoed as they come; full logs go to ``OUT/stock.log`` and ``OUT/hyscale.log``.
+echoed as they come; full logs go to ``OUT/stock.log`` and ``OUT/hyscale.log`` (and ``OUT/stock_ref.log``).
 
 Writes into ``--out``: ``iterations.csv`` (run, iteration, lm_loss, indexer_loss, step_ms,
 tokens_per_s, peak_mem_bytes, replay_store_bytes), ``summary.md`` (median step time, speedup,
@@ -29,9 +30,28 @@ tokens/s, peak memory, max relative LM / indexer loss difference), ``summary.jso
 ``comparison.png`` (loss curves overlaid; step-time and memory bars) and the two logs. ``meta.json``
 (config, device, versions, stock backend, date) is written before the runs start.
 
+Loss parity in bf16 (``--noise-ref BACKEND``, one of none/tilelang/cudnn, different from the stock backend).
+Two correct bf16 implementations of the same function diverge chaotically after a few (~10) steps, so
+a per-iteration loss difference between stock and HyScale says little on its own. ``--noise-ref`` adds
+a third run, ``stock_ref``, after the other two: the stock command line with ``--dsa-kernel-backend
+BACKEND`` (e.g. ``none``, stock's own PyTorch path, when stock runs ``tilelang``: the same function with
+different rounding), metrics ``OUT/stock_ref.jsonl``, log ``OUT/stock_ref.log``. Its divergence from stock
+measures the bf16 noise of this config and schedule. For both pairs (HyScale vs stock, stock_ref vs stock)
+the summary gives the max per-iteration relative LM-loss difference, the max *windowed* relative
+difference (relative difference of trailing-window means, window ``W = max(1, n // 10)`` iterations,
+at every window end, max over the run; LM and indexer loss) and the first iteration whose relative
+LM-loss difference exceeds 1e-2. HyScale is **within bf16 noise** when its windowed LM-loss divergence
+is <= ``--noise-slack`` (default 1.5) x the reference's; ``--require-parity`` exits 3 when it is not.
+``summary.json``: ``noise_ref`` and ``parity``; ``summary.md``: a table of both pairs and the verdict
+line; ``iterations.csv`` and ``comparison.png`` include the ``stock_ref`` run. Without ``--noise-ref``
+the windowed metric of HyScale vs stock is still in ``summary.json`` (``max_rel_windowed_lm_diff``,
+``max_rel_windowed_indexer_diff``, ``loss_window``, ``first_divergence_iter``).
+
 ``--summarize-only`` trains nothing: it rebuilds ``iterations.csv``, ``summary.md``/``.json`` and
 ``comparison.png`` from ``OUT/stock.jsonl``, ``OUT/hyscale.jsonl`` and ``OUT/meta.json`` (e.g. after an
-outer timeout killed the command once both runs had finished). Wall times are then unknown (``null``);
+outer timeout killed the command once both runs had finished), plus ``OUT/stock_ref.jsonl`` when present
+(unless ``meta.json`` records ``"noise_ref": null``, i.e. it is left from an earlier comparison; its backend
+is read from ``meta.json``'s ``noise_ref``). Wall times are then unknown (``null``);
 runs with different iteration counts are cut to the shorter one (with a note). Shared flags, when
 given, are still checked like for like; ``--max-loss-rtol`` applies.
 
@@ -39,7 +59,8 @@ Refuses (exit code 2, before running anything) comparisons that would not be lik
 ``--no-hyscale``/``--hyscale``/``--spec``/``--hyscale-run-name``/``--hyscale-metrics-file``
 among the shared flags (the command sets them), per-run flags other than ``--hyscale-*``
 (different seeds, data or recompute for the two runs), and models without DSA layers
-(``--experimental-attention-variant dsa`` missing). ``--max-loss-rtol`` turns the loss
+(``--experimental-attention-variant dsa`` missing), a ``--noise-ref`` equal to the stock backend (after
+resolving ``auto``) and ``--require-parity`` without ``--noise-ref``. ``--max-loss-rtol`` turns the loss
 comparison into a check (exit code 3 when exceeded).
 """
 
@@ -61,6 +82,13 @@ from typing import Optional, Sequence
 from .train import HYSCALE_SPEC, SPEC_MODULE, STOCK_SPEC, TrainConfigError, expand_arg_files
 
 RUNS = ("stock", "hyscale")
+# the optional bf16-noise reference run (--noise-ref): stock again, with another stock DSA kernel backend
+REF_RUN = "stock_ref"
+ALL_RUNS = (*RUNS, REF_RUN)
+BACKENDS = ("none", "tilelang", "cudnn")
+# a per-iteration relative LM-loss difference above this marks the first divergent iteration
+DIVERGENCE_RTOL = 1e-2
+DEFAULT_NOISE_SLACK = 1.5
 CSV_FIELDS = ("run", "iteration", "lm_loss", "indexer_loss", "step_ms", "tokens_per_s", "peak_mem_bytes",
               "replay_store_bytes")
 # flags the command sets itself (per run) and therefore refuses among the shared flags
@@ -77,6 +105,16 @@ class CompareRefused(ValueError):
 
 
 # ----------------------------------------------------------------------------- options
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hyscale-compare", allow_abbrev=False,
@@ -95,6 +133,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--core-loop", action="store_true", help="Pass --hyscale-core-loop to both runs.")
     p.add_argument("--max-loss-rtol", type=float, default=None,
                    help="Fail (exit 3) when the max relative LM-loss difference exceeds this.")
+    p.add_argument("--noise-ref", choices=BACKENDS, default=None, metavar="BACKEND",
+                   help="Also run stock a third time (run stock_ref, after stock and HyScale) with this "
+                        "--dsa-kernel-backend ({%s}; must differ from the stock backend): its divergence from "
+                        "stock measures the bf16 noise floor that HyScale's divergence is judged against."
+                        % ",".join(BACKENDS))
+    p.add_argument("--noise-slack", type=_positive_float, default=DEFAULT_NOISE_SLACK, metavar="SLACK",
+                   help="HyScale is within bf16 noise when its windowed LM-loss divergence from stock is <= "
+                        "SLACK x the reference run's (default %g)." % DEFAULT_NOISE_SLACK)
+    p.add_argument("--require-parity", action="store_true",
+                   help="Fail (exit 3) when HyScale is not within bf16 noise; needs --noise-ref.")
     p.add_argument("--summarize-only", action="store_true",
                    help="Do not train: rebuild iterations.csv, summary.md/json and comparison.png from "
                         "OUT/stock.jsonl, OUT/hyscale.jsonl and OUT/meta.json (e.g. after a run was cut short).")
@@ -163,21 +211,51 @@ def stock_backend(choice: str) -> str:
     return "tilelang"
 
 
+def check_noise_ref(opts) -> None:
+    """Raise :class:`CompareRefused` for a ``--noise-ref`` that cannot measure anything (or ``--require-parity``
+    without one)."""
+    ref = getattr(opts, "noise_ref", None)
+    if ref is not None:
+        main_backend = stock_backend(opts.stock_backend)
+        if ref == main_backend:
+            raise CompareRefused(
+                f"refusing --noise-ref {ref}: the stock run already uses --dsa-kernel-backend {main_backend}"
+                + (" (--stock-backend auto)" if opts.stock_backend == "auto" else "")
+                + "; the reference run must be stock with a DIFFERENT backend (same function, different rounding) "
+                  f"to measure bf16 noise -- choose one of {', '.join(b for b in BACKENDS if b != main_backend)}.")
+    elif getattr(opts, "require_parity", False):
+        raise CompareRefused("refusing --require-parity without --noise-ref: the bf16-noise bound is measured by "
+                             "the reference run (e.g. --noise-ref none when stock runs tilelang).")
+
+
 def run_commands(opts, shared: list[str], out: Path) -> dict[str, list[str]]:
+    """The command line of each run: ``stock`` and ``hyscale``, plus ``stock_ref`` with ``--noise-ref``
+    (the stock command line with the reference backend, its own run name and metrics file)."""
     launcher = shlex.split(opts.launcher) if opts.launcher else [sys.executable]
     base = [*launcher, "-m", "hyscale_megatron.train"]  # python -m / torchrun -m
-    common = [*shared, "--dsa-kernel-backend", stock_backend(opts.stock_backend)]
+    extra = []
     if opts.iters is not None:
-        common += ["--train-iters", str(opts.iters)]
+        extra += ["--train-iters", str(opts.iters)]
     if opts.core_loop:
-        common.append("--hyscale-core-loop")
+        extra.append("--hyscale-core-loop")
+
+    def common(backend: str) -> list[str]:
+        return [*shared, "--dsa-kernel-backend", backend, *extra]
+
+    def stock_cmd(name: str, backend: str) -> list[str]:
+        return [*base, *common(backend), "--spec", SPEC_MODULE, STOCK_SPEC, "--no-hyscale",
+                "--hyscale-run-name", name, "--hyscale-metrics-file", str(out / f"{name}.jsonl")]
+
+    backend = stock_backend(opts.stock_backend)
     cmds = {
-        "stock": [*base, *common, "--spec", SPEC_MODULE, STOCK_SPEC, "--no-hyscale",
-                  "--hyscale-run-name", "stock", "--hyscale-metrics-file", str(out / "stock.jsonl")],
-        "hyscale": [*base, *common, "--spec", SPEC_MODULE, HYSCALE_SPEC, "--hyscale",
+        "stock": stock_cmd("stock", backend),
+        "hyscale": [*base, *common(backend), "--spec", SPEC_MODULE, HYSCALE_SPEC, "--hyscale",
                     *shlex.split(opts.hyscale_args),
                     "--hyscale-run-name", "hyscale", "--hyscale-metrics-file", str(out / "hyscale.jsonl")],
     }
+    ref = getattr(opts, "noise_ref", None)  # hyscale-longest's options have none
+    if ref is not None:
+        cmds[REF_RUN] = stock_cmd(REF_RUN, ref)
     return cmds
 
 
@@ -241,10 +319,10 @@ def write_csv(path: Path, records: dict[str, list[dict]]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(CSV_FIELDS)
-        for run in RUNS:
+        for run in ALL_RUNS:
             for rec in records.get(run, []):
                 row = {**rec, "run": run}
-                if row.get("replay_store_bytes") is None and run == "stock":
+                if row.get("replay_store_bytes") is None and run != "hyscale":  # stock keeps no replay store
                     row["replay_store_bytes"] = 0
                 w.writerow([_fmt(row.get(k)) for k in CSV_FIELDS])
 
@@ -255,9 +333,63 @@ def _rel(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def summarize(records: dict[str, list[dict]], walls: dict[str, Optional[float]], meta: dict) -> dict:
+def _max(vals: Sequence[float]) -> Optional[float]:
+    """max, but NaN when any value is NaN (a NaN loss must not hide behind a finite maximum)."""
+    if not vals:
+        return None
+    return float("nan") if any(math.isnan(v) for v in vals) else max(vals)
+
+
+def loss_window(n: int) -> int:
+    """Window of the smoothed divergence: ``max(1, n // 10)`` iterations."""
+    return max(1, n // 10)
+
+
+def max_windowed_rel(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+    """Smoothed divergence of ``a`` from ``b``: the relative difference of the trailing-window means,
+    ``|mean(a[e-W+1..e]) - mean(b[e-W+1..e])| / |mean(b[e-W+1..e])|`` with ``W = loss_window(len)``,
+    at every window end ``e`` (every iteration from the W-th on), max over the run."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return None
+    w = loss_window(n)
+    return _max([_rel(sum(a[e - w:e]) / w, sum(b[e - w:e]) / w) for e in range(w, n + 1)])
+
+
+def divergence(run: list[dict], ref: list[dict]) -> dict:
+    """How far ``run``'s losses are from ``ref``'s (stock), iteration by iteration and in windowed means."""
+    n = min(len(run), len(ref))
+    lm = [_rel(run[i]["lm_loss"], ref[i]["lm_loss"]) for i in range(n)]
+    idx_pairs = [(run[i].get("indexer_loss"), ref[i].get("indexer_loss")) for i in range(n)]
+    idx_pairs = [(a, b) for a, b in idx_pairs if a is not None and b is not None]
+    first = next((ref[i].get("iteration", i + 1) for i, v in enumerate(lm) if not v <= DIVERGENCE_RTOL), None)
+    return dict(
+        iterations=n,
+        window=loss_window(n),
+        max_rel_lm_loss_diff=_max(lm),
+        max_rel_indexer_loss_diff=_max([_rel(a, b) for a, b in idx_pairs]),
+        max_rel_windowed_lm_diff=max_windowed_rel([r["lm_loss"] for r in run[:n]], [r["lm_loss"] for r in ref[:n]]),
+        max_rel_windowed_indexer_diff=max_windowed_rel([a for a, _ in idx_pairs], [b for _, b in idx_pairs]),
+        first_divergence_iter=first,
+    )
+
+
+def parity_verdict(hs_vs_stock: dict, ref_vs_stock: dict, slack: float) -> dict:
+    """HyScale is within bf16 noise when its windowed LM-loss divergence from stock is no larger than
+    ``slack`` x the reference run's (stock with another backend)."""
+    x, y = hs_vs_stock["max_rel_windowed_lm_diff"], ref_vs_stock["max_rel_windowed_lm_diff"]
+    bound = None if y is None else slack * y
+    within = x is not None and bound is not None and x <= bound  # NaN compares False: not within
+    return dict(hyscale_windowed_lm_diff=x, reference_windowed_lm_diff=y, slack=slack, bound=bound,
+                within_noise=bool(within))
+
+
+def summarize(records: dict[str, list[dict]], walls: dict[str, Optional[float]], meta: dict,
+              noise_slack: float = DEFAULT_NOISE_SLACK) -> dict:
+    """Per-run numbers and loss divergences; with a ``stock_ref`` run in ``records`` also the bf16-noise
+    reference (``s["noise_ref"]``) and the parity verdict (``s["parity"]``)."""
     s: dict = {"meta": meta, "runs": {}}
-    for run in RUNS:
+    for run in (r for r in ALL_RUNS if records.get(r)):
         recs = records[run]
         steady = recs[1:] if len(recs) > 1 else recs  # first iteration is warm-up
         s["runs"][run] = dict(
@@ -269,13 +401,20 @@ def summarize(records: dict[str, list[dict]], walls: dict[str, Optional[float]],
             final_lm_loss=recs[-1]["lm_loss"],
             wall_s=walls.get(run),
         )
-    st, hs = records["stock"], records["hyscale"]
-    n = min(len(st), len(hs))
-    lm = [_rel(hs[i]["lm_loss"], st[i]["lm_loss"]) for i in range(n)]
-    idx = [_rel(hs[i].get("indexer_loss"), st[i].get("indexer_loss")) for i in range(n)]
-    idx = [v for v in idx if v is not None]
-    s["max_rel_lm_loss_diff"] = max(lm) if lm else None
-    s["max_rel_indexer_loss_diff"] = max(idx) if idx else None
+    hs_div = divergence(records["hyscale"], records["stock"])
+    s["max_rel_lm_loss_diff"] = hs_div["max_rel_lm_loss_diff"]
+    s["max_rel_indexer_loss_diff"] = hs_div["max_rel_indexer_loss_diff"]
+    s["loss_window"] = hs_div["window"]
+    s["max_rel_windowed_lm_diff"] = hs_div["max_rel_windowed_lm_diff"]
+    s["max_rel_windowed_indexer_diff"] = hs_div["max_rel_windowed_indexer_diff"]
+    s["first_divergence_iter"] = hs_div["first_divergence_iter"]
+    if records.get(REF_RUN):
+        ref_div = divergence(records[REF_RUN], records["stock"])
+        s["noise_ref"] = dict(run=REF_RUN, backend=meta.get("noise_ref") or "unknown",
+                              stock_backend=meta.get("stock_backend"), vs_stock=ref_div)
+        s["parity"] = dict(hyscale_vs_stock=hs_div, stock_ref_vs_stock=ref_div, window=hs_div["window"],
+                           divergence_rtol=DIVERGENCE_RTOL,
+                           **parity_verdict(hs_div, ref_div, noise_slack))
     s["speedup"] = s["runs"]["stock"]["median_step_ms"] / s["runs"]["hyscale"]["median_step_ms"]
     s["memory_ratio"] = s["runs"]["hyscale"]["peak_mem_bytes"] / s["runs"]["stock"]["peak_mem_bytes"]
     return s
@@ -283,7 +422,7 @@ def summarize(records: dict[str, list[dict]], walls: dict[str, Optional[float]],
 
 def summary_markdown(s: dict) -> str:
     m = s["meta"]
-    st, hs = s["runs"]["stock"], s["runs"]["hyscale"]
+    st = s["runs"]["stock"]
     mem_kind = "peak allocated (CUDA)" if m.get("device") == "cuda" else "peak RSS of the process (CPU)"
 
     def mib(b):
@@ -298,14 +437,18 @@ def summary_markdown(s: dict) -> str:
         f"- config: `{m['config']}`",
         f"- device: {m['device_name']}; torch {m['torch']}; megatron-core {m['megatron']}; {m['date']}",
         f"- stock backend: `--dsa-kernel-backend {m['stock_backend']}`; same seed, data, recompute and "
-        f"layout for both runs; {st['iterations']} iterations each, run back to back (stock first)",
+        f"layout for both runs; {st['iterations']} iterations each, run back to back (stock first)"
+        + (f"; bf16-noise reference run `{REF_RUN}`: stock again with `--dsa-kernel-backend "
+           f"{s['noise_ref']['backend']}` (run last)" if "noise_ref" in s else ""),
         "",
         "| run | median step (ms) | tokens/s | peak memory (MiB) | replay store peak (bytes) | final LM loss |",
         "|---|---:|---:|---:|---:|---:|",
-        f"| stock | {st['median_step_ms']:.1f} | {st['median_tokens_per_s']:.0f} | {mib(st['peak_mem_bytes'])} | "
-        f"{st['replay_store_peak_bytes']} | {st['final_lm_loss']:.6f} |",
-        f"| hyscale | {hs['median_step_ms']:.1f} | {hs['median_tokens_per_s']:.0f} | {mib(hs['peak_mem_bytes'])} | "
-        f"{hs['replay_store_peak_bytes']} | {hs['final_lm_loss']:.6f} |",
+    ]
+    for run in (r for r in ALL_RUNS if r in s["runs"]):
+        r = s["runs"][run]
+        lines.append(f"| {run} | {r['median_step_ms']:.1f} | {r['median_tokens_per_s']:.0f} | "
+                     f"{mib(r['peak_mem_bytes'])} | {r['replay_store_peak_bytes']} | {r['final_lm_loss']:.6f} |")
+    lines += [
         "",
         f"- **speedup (stock / HyScale median step time): {s['speedup']:.2f}x**",
         f"- peak memory HyScale / stock: {s['memory_ratio']:.3f} ({mem_kind})",
@@ -317,11 +460,48 @@ def summary_markdown(s: dict) -> str:
         "the same function: in fp32 the LM losses agree to ~1e-4 relative while both select the same top-k "
         "sets (exact score ties may resolve differently); in bf16 expect bf16 noise (~1e-2).",
     ]
+    if "parity" in s:
+        lines += ["", *_parity_markdown(s)]
     if s.get("truncated"):
         lines += ["", f"Note: {s['truncated']['note']}"]
     if m.get("device") != "cuda":
         lines += ["", "CPU numbers show the mechanics, not GPU performance: HyScale's kernels are measured on the GPU."]
     return "\n".join(lines) + "\n"
+
+
+def _parity_markdown(s: dict) -> list[str]:
+    """The bf16-noise section of summary.md: divergence table of both pairs and the verdict line."""
+    par, ref = s["parity"], s["noise_ref"]
+
+    def g(v):
+        return "n/a" if v is None else f"{v:.3g}"
+
+    def row(name, d):
+        first = "never" if d["first_divergence_iter"] is None else str(d["first_divergence_iter"])
+        return (f"| {name} | {g(d['max_rel_lm_loss_diff'])} | {g(d['max_rel_windowed_lm_diff'])} | "
+                f"{g(d['max_rel_windowed_indexer_diff'])} | {first} |")
+
+    x, y, slack = par["hyscale_windowed_lm_diff"], par["reference_windowed_lm_diff"], par["slack"]
+    verdict = "yes" if par["within_noise"] else "no"
+    rel = "<=" if par["within_noise"] else ">"
+    return [
+        f"## bf16 noise: reference `{REF_RUN}` = stock with `--dsa-kernel-backend {ref['backend']}`",
+        "",
+        f"| pair | max per-iter LM diff | max windowed LM diff | max windowed indexer diff | "
+        f"first iteration > {DIVERGENCE_RTOL:g} |",
+        "|---|---:|---:|---:|---:|",
+        row("hyscale vs stock", par["hyscale_vs_stock"]),
+        row(f"{REF_RUN} ({ref['backend']}) vs stock", par["stock_ref_vs_stock"]),
+        "",
+        f"**HyScale within bf16 noise: {verdict}** (windowed LM-loss divergence {g(x)} {rel} {slack:g} x "
+        f"reference's {g(y)})",
+        "",
+        f"Windowed: relative difference of the trailing {par['window']}-iteration means (window = max(1, n // 10)), "
+        "at every window end, max over the run. Two correct bf16 implementations of the same function diverge "
+        "after a few steps; the reference pair (stock vs stock with another kernel backend) measures that "
+        "divergence for this config and schedule, and HyScale must not diverge more than "
+        f"{slack:g}x it.",
+    ]
 
 
 def plot(path: Path, records: dict[str, list[dict]], s: dict) -> None:
@@ -330,31 +510,39 @@ def plot(path: Path, records: dict[str, list[dict]], s: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    colors = {"stock": "#7f7f7f", "hyscale": "#d62728"}
+    colors = {"stock": "#7f7f7f", "hyscale": "#d62728", REF_RUN: "#1f77b4"}
+    runs = [r for r in ALL_RUNS if records.get(r) and r in s["runs"]]
     fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
-    for run in RUNS:
+    for run in runs:
         it = [r["iteration"] for r in records[run]]
-        ax[0, 0].plot(it, [r["lm_loss"] for r in records[run]], marker="o", ms=3, label=run, color=colors[run],
-                      ls="-" if run == "stock" else "--")
+        style = dict(marker="o", ms=3, color=colors[run], ls="-" if run == "stock" else "--")
+        if run == REF_RUN:  # the noise reference: thin, behind the two compared runs
+            style = dict(marker=None, lw=0.9, color=colors[run], ls="-", zorder=1)
+        label = run if run != REF_RUN else f"{run} ({s.get('noise_ref', {}).get('backend', '?')})"
+        ax[0, 0].plot(it, [r["lm_loss"] for r in records[run]], label=label, **style)
         idx = [r.get("indexer_loss") for r in records[run]]
         if any(v is not None for v in idx):
-            ax[0, 1].plot(it, [float("nan") if v is None else v for v in idx], marker="o", ms=3, label=run,
-                          color=colors[run], ls="-" if run == "stock" else "--")
+            ax[0, 1].plot(it, [float("nan") if v is None else v for v in idx], label=label, **style)
     ax[0, 0].set(title="LM loss", xlabel="iteration")
     ax[0, 1].set(title="indexer loss", xlabel="iteration")
     for a in ax[0]:
         a.legend()
         a.grid(alpha=0.3)
-    st = [s["runs"][r]["median_step_ms"] for r in RUNS]
-    b = ax[1, 0].bar(RUNS, st, color=[colors[r] for r in RUNS])
+    st = [s["runs"][r]["median_step_ms"] for r in runs]
+    b = ax[1, 0].bar(runs, st, color=[colors[r] for r in runs])
     ax[1, 0].bar_label(b, fmt="%.1f")
     ax[1, 0].set(title=f"median step time (ms), speedup {s['speedup']:.2f}x", ylabel="ms")
-    mem = [s["runs"][r]["peak_mem_bytes"] / 2**20 for r in RUNS]
-    b = ax[1, 1].bar(RUNS, mem, color=[colors[r] for r in RUNS])
+    mem = [s["runs"][r]["peak_mem_bytes"] / 2**20 for r in runs]
+    b = ax[1, 1].bar(runs, mem, color=[colors[r] for r in runs])
     ax[1, 1].bar_label(b, fmt="%.0f")
     ax[1, 1].set(title="peak memory (MiB)", ylabel="MiB")
     m = s["meta"]
-    fig.suptitle(f"stock DSA ({m['stock_backend']}) vs HyScale -- {m['config']} -- {m['device_name']}", fontsize=10)
+    title = f"stock DSA ({m['stock_backend']}) vs HyScale -- {m['config']} -- {m['device_name']}"
+    if "parity" in s:
+        title += (f"\nwithin bf16 noise: {'yes' if s['parity']['within_noise'] else 'no'} (windowed LM divergence "
+                  f"{s['parity']['hyscale_windowed_lm_diff']:.3g} vs {s['parity']['slack']:g} x reference "
+                  f"{s['parity']['reference_windowed_lm_diff']:.3g})")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -369,34 +557,40 @@ def _meta(opts, shared: list[str], backend: str) -> dict:
         mver = "unknown"
     cuda = torch.cuda.is_available()
     cfg = " ".join(t for t in shared if t.startswith("@")) or "(flags)"
-    return dict(config=cfg + (f" --train-iters {opts.iters}" if opts.iters else ""),
+    meta = dict(config=cfg + (f" --train-iters {opts.iters}" if opts.iters else ""),
                 device="cuda" if cuda else "cpu",
                 device_name=torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)",
                 torch=torch.__version__, megatron=mver, stock_backend=backend,
                 date=time.strftime("%Y-%m-%d %H:%M"), argv=shared)
+    if hasattr(opts, "noise_ref"):  # hyscale-compare (not hyscale-longest): null = no reference run
+        meta["noise_ref"] = opts.noise_ref
+    return meta
 
 
 def write_outputs(out: Path, records: dict[str, list[dict]], walls: dict[str, Optional[float]], meta: dict,
-                  truncate: bool = False) -> dict:
+                  truncate: bool = False, noise_slack: float = DEFAULT_NOISE_SLACK) -> dict:
     """Write iterations.csv, summary.json, summary.md and comparison.png; returns the summary.
 
-    Different iteration counts are an error, unless ``truncate``: then both runs are cut to the
-    shorter count, a note is printed and recorded (``summary["truncated"]``)."""
-    for run in RUNS:
+    ``records`` holds ``stock`` and ``hyscale``, and ``stock_ref`` when there was a noise-reference run.
+    Different iteration counts are an error, unless ``truncate``: then all runs are cut to the
+    shortest count, a note is printed and recorded (``summary["truncated"]``)."""
+    runs = [run for run in ALL_RUNS if run in RUNS or run in records]
+    for run in runs:
         if not records.get(run):
             raise RuntimeError(f"the {run} run logged no iterations")
-    n = {run: len(records[run]) for run in RUNS}
+    n = {run: len(records[run]) for run in runs}
     truncated = None
-    if n["stock"] != n["hyscale"]:
+    if len(set(n.values())) > 1:
         if not truncate:
             raise RuntimeError(f"the runs logged different iteration counts: {n}")
         keep = min(n.values())
-        truncated = dict(n, used=keep, note=f"the runs logged different iteration counts (stock {n['stock']}, "
-                                             f"hyscale {n['hyscale']}); both cut to the first {keep}.")
+        counts = ", ".join(f"{run} {n[run]}" for run in runs)
+        truncated = dict(n, used=keep, note=f"the runs logged different iteration counts ({counts}); "
+                                             f"{'both' if len(runs) == 2 else 'all'} cut to the first {keep}.")
         print(f"[hyscale-compare] note: {truncated['note']}", flush=True)
-        records = {run: records[run][:keep] for run in RUNS}
+        records = {run: records[run][:keep] for run in runs}
     write_csv(out / "iterations.csv", records)
-    s = summarize(records, walls, meta)
+    s = summarize(records, walls, meta, noise_slack)
     if truncated:
         s["truncated"] = truncated
     (out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
@@ -413,11 +607,18 @@ def _report(opts, out: Path, s: dict, t0: float) -> int:
     print(summary_markdown(s), flush=True)
     print(f"[hyscale-compare] wrote {out}/iterations.csv, summary.md, comparison.png "
           f"({time.perf_counter() - t0:.1f} s total)", flush=True)
+    rc = 0
     if opts.max_loss_rtol is not None and (s["max_rel_lm_loss_diff"] or 0.0) > opts.max_loss_rtol:
         print(f"hyscale-compare: max relative LM-loss difference {s['max_rel_lm_loss_diff']:.3g} exceeds "
               f"--max-loss-rtol {opts.max_loss_rtol}", file=sys.stderr)
-        return 3
-    return 0
+        rc = 3
+    if opts.require_parity and not s["parity"]["within_noise"]:
+        par = s["parity"]
+        print(f"hyscale-compare: HyScale is not within bf16 noise: windowed LM-loss divergence "
+              f"{par['hyscale_windowed_lm_diff']:.3g} > {par['slack']:g} x the reference's "
+              f"{par['reference_windowed_lm_diff']:.3g} (--require-parity)", file=sys.stderr)
+        rc = 3
+    return rc
 
 
 def summarize_only(opts, rest: list[str]) -> int:
@@ -444,8 +645,32 @@ def summarize_only(opts, rest: list[str]) -> int:
             raise ValueError(f"{meta_path} must hold a JSON object")
         meta = {**dict.fromkeys(META_KEYS, "unknown"), **loaded}
         records = {run: read_metrics(out / f"{run}.jsonl") for run in RUNS}
-        s = write_outputs(out, records, {}, meta, truncate=True)
-    except (RuntimeError, ValueError) as exc:  # ValueError: a malformed meta.json / jsonl line
+        ref_path = out / f"{REF_RUN}.jsonl"
+        if "noise_ref" in meta and meta["noise_ref"] is None and opts.noise_ref is None:
+            # meta.json says this comparison had no reference run: a stock_ref.jsonl is from an earlier one
+            if ref_path.exists():
+                print(f"[hyscale-compare] note: ignoring {ref_path}: {meta_path} records no --noise-ref for this "
+                      "comparison (give --noise-ref BACKEND to use it).", flush=True)
+        elif ref_path.exists():
+            if opts.noise_ref is not None and meta.get("noise_ref") not in (None, opts.noise_ref):
+                raise CompareRefused(f"--noise-ref {opts.noise_ref} contradicts {meta_path}, which records "
+                                     f"noise_ref {meta['noise_ref']}.")
+            meta["noise_ref"] = meta.get("noise_ref") or opts.noise_ref or "unknown"
+            if meta["noise_ref"] == meta.get("stock_backend"):
+                raise CompareRefused(f"the reference run's backend ({meta['noise_ref']}) equals the stock backend: "
+                                     "it cannot measure bf16 noise.")
+            records[REF_RUN] = read_metrics(ref_path)
+        elif opts.noise_ref is not None or opts.require_parity:
+            raise RuntimeError(f"{ref_path} (the --noise-ref run's metrics) is missing; "
+                               + ("--require-parity needs it." if opts.require_parity else "run without --noise-ref."))
+        elif meta.get("noise_ref") is not None:
+            print(f"[hyscale-compare] note: {meta_path} records --noise-ref {meta['noise_ref']} but {ref_path} is "
+                  "missing: summarizing stock vs HyScale only.", flush=True)
+        if opts.require_parity and REF_RUN not in records:
+            raise RuntimeError("--require-parity needs the reference run: give --noise-ref BACKEND with its "
+                               f"{ref_path}.")
+        s = write_outputs(out, records, {}, meta, truncate=True, noise_slack=opts.noise_slack)
+    except (RuntimeError, ValueError) as exc:  # ValueError: a malformed meta.json / jsonl line, CompareRefused
         print(f"hyscale-compare: --summarize-only: {exc}", file=sys.stderr)
         return 2
     return _report(opts, out, s, t0)
@@ -459,6 +684,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         shared = expand_arg_files(rest)
         check_like_for_like(shared, shlex.split(opts.hyscale_args))
+        check_noise_ref(opts)
     except (CompareRefused, TrainConfigError) as exc:
         print(f"hyscale-compare: {exc}", file=sys.stderr)
         return 2
@@ -470,10 +696,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (out / "meta.json").write_text(json.dumps(meta, indent=2))  # first: a cut-short comparison keeps it
     walls = {}
     t0 = time.perf_counter()
-    for run in RUNS:
+    runs = [run for run in ALL_RUNS if run in cmds]  # stock, hyscale[, stock_ref]
+    for run in runs:
         walls[run] = run_one(run, cmds[run], out)
-    records = {run: read_metrics(out / f"{run}.jsonl") for run in RUNS}
-    s = write_outputs(out, records, walls, meta)
+    records = {run: read_metrics(out / f"{run}.jsonl") for run in runs}
+    s = write_outputs(out, records, walls, meta, noise_slack=opts.noise_slack)
     return _report(opts, out, s, t0)
 
 
