@@ -2,7 +2,8 @@
 # One device call for issue 6 (end to end, one H200): hyscale-compare on the DeepSeek-V3.2-like
 # config, stock (TileLang backend) vs HyScale, then a 100-iteration loss-parity run.
 #   1) 64K tokens, full recompute, ITERS iterations (the headline step-time comparison);
-#   2) the same model at PARITY_SEQ tokens for 100 iterations (LM + indexer loss curves).
+#   2) the same model at PARITY_SEQ tokens for 100 iterations (LM + indexer loss curves) with a
+#      stock-vs-stock noise reference (--noise-ref);
 # STEPS picks them (default "v32 parity"; "tiny" adds the tiny config through pretrain first;
 # "longest" runs hyscale-longest).
 # Usage on the device (carry .whl-tl and .tlcache):  OUT=$OUT bash bench/e2e_session.sh
@@ -26,8 +27,10 @@ STEPS=${STEPS:-v32 parity}
 case " $STEPS " in *" tiny "*) cmp tiny_gpu "${TINY_TIMEOUT:-100}" --iters 5 --stock-backend none @configs/tiny_cpu.args;; esac
 case " $STEPS " in *" v32 "*) cmp v32_64k "${CMP_TIMEOUT:-330}" --iters "${ITERS:-8}" @configs/deepseek_v32_1gpu.args;; esac
 PS=${PARITY_SEQ:-8192}
-case " $STEPS " in *" parity "*) cmp "parity_$PS" "${PARITY_TIMEOUT:-220}" --iters 100 @configs/deepseek_v32_1gpu.args \
-  --seq-length "$PS" --max-position-embeddings "$PS";; esac
+# parity: a third run (stock with its default PyTorch path, --noise-ref) measures the bf16 noise floor;
+# HyScale must not diverge from stock more than 1.5x that reference does (windowed loss means)
+case " $STEPS " in *" parity "*) cmp "parity_$PS" "${PARITY_TIMEOUT:-480}" --iters 100 @configs/deepseek_v32_1gpu.args \
+  --seq-length "$PS" --max-position-embeddings "$PS" --noise-ref "${PARITY_NOISE_REF:-none}";; esac
 # longest: hyscale-longest on its default config (16 heads = one TP-8 shard, 2 layers), replay offloaded;
 # LONGEST_KINDS / LONGEST_SEQS / LONGEST_RUN_S split it over calls (stock's selection takes minutes at 512K+)
 case " $STEPS " in *" longest "*)
