@@ -26,7 +26,7 @@ STEPS=${STEPS:-v32 parity}
 # tiny: Megatron's pretrain on the GPU with the tiny config (the CPU job's config), a smoke check
 case " $STEPS " in *" tiny "*) cmp tiny_gpu "${TINY_TIMEOUT:-100}" --iters 5 --stock-backend none @configs/tiny_cpu.args;; esac
 case " $STEPS " in *" v32 "*) cmp v32_64k "${CMP_TIMEOUT:-330}" --iters "${ITERS:-8}" @configs/deepseek_v32_1gpu.args;; esac
-PS=${PARITY_SEQ:-8192}
+PS=${PARITY_SEQ:-4096}
 # parity: a third run (stock with its default PyTorch path, --noise-ref) measures the bf16 noise floor;
 # HyScale must not diverge from stock more than 1.5x that reference does (windowed loss means)
 case " $STEPS " in *" parity "*) cmp "parity_$PS" "${PARITY_TIMEOUT:-480}" --iters 100 @configs/deepseek_v32_1gpu.args \
