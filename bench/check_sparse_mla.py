@@ -43,6 +43,11 @@ from hyscale_kernels.hytopk.selected_scores import selected_scores  # noqa: E402
 from hyscale_kernels.sparse_mla import flops, sparse_mla, sparse_mla_reference  # noqa: E402
 from hyscale_kernels.sparse_mla.kernel import sparse_mla_bwd, sparse_mla_fwd  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from common import rel_err as rel  # noqa: E402
+
+
 def say(*a):
     msg = " ".join(str(x) for x in a)
     print(msg, flush=True)
@@ -52,23 +57,7 @@ def say(*a):
 
 
 def causal_indices(T, S, K, seed=0):
-    """Duplicate-free causal rows (top-k of random scores over keys <= S - T + t), -1 padded."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    idx = torch.empty(T, K, dtype=torch.int32, device="cuda")
-    for r0 in range(0, T, 4096):
-        r1 = min(T, r0 + 4096)
-        sc = torch.rand(r1 - r0, S, device="cuda", generator=g)
-        lim = S - T + torch.arange(r0, r1, device="cuda")
-        sc = sc.masked_fill(torch.arange(S, device="cuda")[None, :] > lim[:, None], -1.0)
-        v, i = sc.topk(K, dim=-1)
-        idx[r0:r1] = i.masked_fill(v < 0, -1).int()
-    return idx
-
-
-def rel(a, b):
-    a, b = a.float(), b.float()
-    fin = torch.isfinite(b)
-    return ((a[fin] - b[fin]).norm() / b[fin].norm().clamp_min(1e-12)).item()
+    return common.causal_indices(T, K, "cuda", seed, S=S, rows=4096)
 
 
 def check_sparse_mla(T, S, N, K, deterministic=False):
@@ -121,17 +110,8 @@ def check_selected_scores(T=2048, S=4096, H=64, D=128, K=2048):
 
 
 def bench(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
+    """Median ms of `reps` timed calls after one warm-up (CUDA events)."""
+    return common.time_ms(fn, min_iters=reps, max_iters=reps, target_ms=0.0)["ms"]
 
 
 def perf(T, S, N, K, fwd_cfgs, bwd_cfgs):

@@ -63,6 +63,35 @@ def time_ms(fn, warmup: int = 1, min_iters: int = 3, max_iters: int = 20, target
     return dict(ms=round(est, 3), p20=round(q(0.2), 3), p80=round(q(0.8), 3), iters=len(ts))
 
 
+def causal_indices(T: int, K: int, device, seed: int = 0, S: int | None = None, rows: int = 2048) -> torch.Tensor:
+    """[T, K] int32 duplicate-free causal rows, -1 padded: the top-k of random scores over keys
+    <= S - T + t (S = T by default), in row chunks so the [rows, S] score block stays small."""
+    S = T if S is None else S
+    g = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.empty(T, K, dtype=torch.int32, device=device)
+    keys = torch.arange(S, device=device)
+    for r0 in range(0, T, rows):
+        r1 = min(T, r0 + rows)
+        sc = torch.rand(r1 - r0, S, device=device, generator=g)
+        lim = S - T + torch.arange(r0, r1, device=device)
+        sc.masked_fill_(keys[None, :] > lim[:, None], -1.0)
+        v, i = sc.topk(K, dim=-1, sorted=False)
+        idx[r0:r1] = i.masked_fill(v < 0, -1).int()
+    return idx
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, rows: int = 2048) -> float:
+    """||a - b|| / ||b|| over b's finite entries, in row chunks: whole-tensor fp32 copies at 64K tokens x
+    128 heads (~17 GiB each, plus masks) ran a 2026-12-02 benchmark out of memory."""
+    num = den = 0.0
+    for r0 in range(0, b.shape[0], rows):
+        x, y = a[r0:r0 + rows].float(), b[r0:r0 + rows].float()
+        fin = torch.isfinite(y)
+        num += float(((x - y)[fin] ** 2).sum())
+        den += float((y[fin] ** 2).sum())
+    return (num ** 0.5) / max(den ** 0.5, 1e-12)
+
+
 def peak_extra_bytes(fn) -> int:
     if not torch.cuda.is_available():
         fn()

@@ -10,10 +10,7 @@
 # Back in $OUT: <run>/{iterations.csv,summary.md,comparison.png} per compare step, longest/longest.{csv,md},
 # and logs.tar.gz (logs, metrics files); the device tool returns 8 files: at most two compare steps per call.
 set -u
-mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl-tl/site.tar.xz
-[ -d .tlcache ] && mkdir -p /tmp/tlcache && cp -r .tlcache/. /tmp/tlcache/
-ln -sfn "$PWD/kernels" /tmp/site/hyscale_kernels && ln -sfn "$PWD/patches" /tmp/site/hyscale_patches
-export PYTHONPATH=/tmp/site:$PWD TILELANG_CACHE_DIR=/tmp/tlcache PYTHONUNBUFFERED=1
+source bench/device_env.sh
 OUT=${OUT:-/tmp/e2e}; mkdir -p "$OUT"
 cmp() {  # name timeout args...
   local name=$1 limit=$2; shift 2

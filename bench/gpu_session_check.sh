@@ -7,10 +7,7 @@
 # (session 1 ran it with the tests capped at 60 s: 8 GPU tests passed before the cap, none failed;
 #  the pretrain compare then stopped at eval_interval=None, fixed afterwards)
 set -u
-mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl-tl/site.tar.xz
-[ -d .tlcache ] && mkdir -p /tmp/tlcache && cp -r .tlcache/. /tmp/tlcache/
-ln -sfn "$PWD/kernels" /tmp/site/hyscale_kernels && ln -sfn "$PWD/patches" /tmp/site/hyscale_patches
-export PYTHONPATH=/tmp/site:$PWD TILELANG_CACHE_DIR=/tmp/tlcache PYTHONUNBUFFERED=1
+source bench/device_env.sh
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 echo "== 1. pretrain compare"
 timeout 90 python3 -m hyscale_megatron.compare --out "$OUT/cmp" --iters 5 --stock-backend none @configs/tiny_cpu.args \

@@ -98,6 +98,8 @@ from hyscale_kernels.sparse_mla import flops, sparse_mla_reference  # noqa: E402
 from hyscale_kernels.sparse_mla import kernel as km  # noqa: E402
 
 from common import append_csv, env_info, is_oom, markdown_table, peak_extra_bytes, time_ms  # noqa: E402
+from common import causal_indices as common_causal_indices  # noqa: E402
+from common import rel_err as rel  # noqa: E402
 
 DEV = "cpu" if args.cpu_smoke else "cuda"
 DT = torch.float32 if args.cpu_smoke else torch.bfloat16
@@ -112,29 +114,7 @@ BWD_VARIANTS = {"fused-32x16": dict(split=False),
 
 
 def causal_indices(T, K, seed=0):
-    """Duplicate-free causal rows (top-k of random scores over keys <= t), -1 padded, int32."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    idx = torch.empty(T, K, dtype=torch.int32, device=DEV)
-    ar = torch.arange(T, device=DEV)
-    for r0 in range(0, T, 2048):
-        r1 = min(T, r0 + 2048)
-        sc = torch.rand(r1 - r0, T, device=DEV, generator=g)
-        sc.masked_fill_(ar[None, :] > ar[r0:r1, None], -1.0)
-        v, i = sc.topk(K, dim=-1, sorted=False)
-        idx[r0:r1] = i.masked_fill(v < 0, -1).int()
-    return idx
-
-
-def rel(a, b, rows=2048):
-    """||a - b|| / ||b|| over b's finite entries, in row chunks: whole-tensor fp32 copies at 64K x 128
-    heads (~17 GiB each, plus masks) ran the 2026-12-02 run out of memory after stock's timings."""
-    num = den = 0.0
-    for r0 in range(0, b.shape[0], rows):
-        x, y = a[r0:r0 + rows].float(), b[r0:r0 + rows].float()
-        fin = torch.isfinite(y)
-        num += float(((x - y)[fin] ** 2).sum())
-        den += float((y[fin] ** 2).sum())
-    return (num ** 0.5) / max(den ** 0.5, 1e-12)
+    return common_causal_indices(T, K, DEV, seed)
 
 
 def precompile_worker(spec):

@@ -44,7 +44,7 @@ if args.cpu_smoke:
 
 import torch  # noqa: E402
 
-from common import append_csv, env_info, markdown_table  # noqa: E402
+from common import append_csv, causal_indices, env_info, markdown_table  # noqa: E402
 from hyscale_kernels.sparse_mla import flops  # noqa: E402
 from hyscale_kernels.sparse_mla import kernel as km  # noqa: E402
 
@@ -63,19 +63,6 @@ VARIANTS = {
 }
 KERNEL_ROLE = {"_sparse_mla_bwd_dq_kernel": "dq", "_sparse_mla_bwd_dkv_kernel": "dkv",
                "_sparse_mla_bwd_kernel": "fused"}
-
-
-def causal_indices(T, K, seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    idx = torch.empty(T, K, dtype=torch.int32, device=DEV)
-    ar = torch.arange(T, device=DEV)
-    for r0 in range(0, T, 2048):
-        r1 = min(T, r0 + 2048)
-        sc = torch.rand(r1 - r0, T, device=DEV, generator=g)
-        sc.masked_fill_(ar[None, :] > ar[r0:r1, None], -1.0)
-        v, i = sc.topk(K, dim=-1, sorted=False)
-        idx[r0:r1] = i.masked_fill(v < 0, -1).int()
-    return idx
 
 
 def per_kernel_ms(fn, reps):
@@ -109,7 +96,7 @@ def main():
     info = env_info() if DEV == "cuda" else {}
     rows, table = [], []
     T, K = args.T, args.topk
-    idx = causal_indices(T, K)
+    idx = causal_indices(T, K, DEV)
     for N in [int(h) for h in args.heads.split(",")]:
         g = torch.Generator(device=DEV).manual_seed(N)
         q = torch.randn(T, N, 576, device=DEV, dtype=DT, generator=g)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .._common import check, check_tensor
-from ..sparse_mla.kernel import _dot, _gather_kv, _load_rows, _mac
+from ..sparse_mla.kernel import _block_h, _dot, _gather_kv, _load_rows, _mac, _meta
 
 LOG2E = 1.4426950408889634
 
@@ -56,10 +56,6 @@ def _target_kernel(q, kv, idx, lse, tgt, scale_log2, N, N_HB,
 TARGET_CFG = dict(block_k=64, num_warps=8, num_stages=2)
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
 def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor,
                             softmax_scale: float, v_dim: int = 512) -> torch.Tensor:
     """Head-summed attention probabilities at the selected keys (unnormalised), fp32 [T, topk].
@@ -79,19 +75,15 @@ def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torc
     check(0 < v_dim <= DQK, f"v_dim must be in (0, {DQK}], got {v_dim}")
     K = indices.shape[1]
     interp = not query.is_cuda
-    block_h = min(64, max(16, _pow2(N)))
+    block_h = _block_h(N)
     n_hb = triton.cdiv(N, block_h)
     tgt = (torch.zeros if n_hb > 1 else torch.empty)((T, K), dtype=torch.float32, device=query.device)
     if T == 0 or K == 0:
         return tgt.zero_()
-    R = DQK - v_dim
-    BV, BR = max(16, _pow2(v_dim)), max(16, _pow2(max(R, 1)))
     _target_kernel[(T * n_hb,)](
         query.contiguous(), kv.contiguous(), indices.contiguous(), lse.contiguous(), tgt,
-        float(softmax_scale) * LOG2E, N, n_hb, DQK=DQK, V=v_dim, R=R, K=K, BLOCK_H=block_h,
-        BLOCK_K=16 if interp else TARGET_CFG["block_k"], BLOCK_V=BV, BLOCK_R=BR,
-        IEEE=query.dtype == torch.float32, EVEN=(BV == v_dim and BR == R), BIG=kv.shape[0] * DQK >= 2 ** 31,
-        ATOMIC=n_hb > 1, num_warps=4 if interp else TARGET_CFG["num_warps"],
-        num_stages=1 if interp else TARGET_CFG["num_stages"],
+        float(softmax_scale) * LOG2E, N, n_hb, BLOCK_H=block_h, BLOCK_K=16 if interp else TARGET_CFG["block_k"],
+        **_meta(query, kv, indices, v_dim), ATOMIC=n_hb > 1,
+        num_warps=4 if interp else TARGET_CFG["num_warps"], num_stages=1 if interp else TARGET_CFG["num_stages"],
     )
     return tgt
