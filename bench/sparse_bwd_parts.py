@@ -117,8 +117,8 @@ def main():
             total = sum(ms.values())
             row = dict(kind="bwd_parts", T=T, N=N, k=K, variant=name, total_ms=round(total, 3),
                        **{f"{r}_ms": round(v, 3) for r, v in ms.items()},
-                       tflops=round(b_fl / total / 1e9, 1) if total > 0 else "", **info,
-                       command="bench/sparse_bwd_parts.py " + " ".join(sys.argv[1:]))
+                       tflops=round(b_fl / total / 1e9, 1) if total > 0 else "",
+                       **{**info, "command": "bench/sparse_bwd_parts.py " + " ".join(sys.argv[1:])})
             rows.append(row)
             table.append(row)
             print(f"[{time.time() - T0:6.1f}s] N={N:4d} {name:20s} " +

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import re
 import shlex
 import signal
@@ -56,12 +57,13 @@ KINDS = compare.RUNS  # ("stock", "hyscale"): stock first at each length
 DEFAULT_SEQ_LENGTHS = (32768, 131072, 524288, 1048576)
 DEFAULT_CONFIG = "configs/deepseek_v32_longest.args"
 CSV_FIELDS = ("kind", "seq_len", "status", "median_step_ms", "tokens_per_s", "peak_mem_bytes", "replay_store_bytes",
-              "error")
+              "iterations", "error")
 OOM_PATTERNS = (re.compile(r"torch\.(cuda\.)?OutOfMemoryError"), re.compile(r"CUDA out of memory"),
                 re.compile(r"out of memory", re.IGNORECASE))
 # SIGKILL: what the kernel's OOM killer sends; -9 from Popen, 128 + 9 when a shell/launcher reports it
 OOM_KILL_CODES = (-int(signal.SIGKILL), 128 + int(signal.SIGKILL))
-_ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit))(:.*)?$")
+# torch.distributed prefixes each line of a rank's traceback with "[rankN]: "
+_ERROR_LINE = re.compile(r"^\s*(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit))(:.*)?$")
 
 # runner(kind, cmd, run_dir) -> exit code; writes run_dir/KIND.log and run_dir/KIND.jsonl
 Runner = Callable[[str, list, Path], int]
@@ -102,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="Wall-clock limit per run (coreutils timeout). A run that hits it is 'timeout' (or "
                         "'partial' when it finished at least one iteration) and its kind stops: longer lengths "
                         "would not be faster. Default: no limit.")
+    p.add_argument("--merge", default="",
+                   help="Do not train: merge the longest.csv (+ meta.json) of these comma-separated output "
+                        "directories (e.g. a stock-only and a HyScale-only session) into --out.")
     p.add_argument("--kinds", default="stock,hyscale",
                    help="Which runs, comma-separated: stock, hyscale or both (default both), e.g. to split a "
                         "sweep over several sessions.")
@@ -184,7 +189,7 @@ def classify(rc: int, log_text: str, records: list[dict], timeout_s: Optional[fl
 def run_metrics(records: list[dict]) -> dict:
     """Median step time / tokens/s without the warm-up iteration (as hyscale-compare), peaks over all."""
     steady = records[1:] if len(records) > 1 else records
-    return dict(median_step_ms=statistics.median(r["step_ms"] for r in steady),
+    return dict(iterations=len(records), median_step_ms=statistics.median(r["step_ms"] for r in steady),
                 tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
                 peak_mem_bytes=max(int(r["peak_mem_bytes"]) for r in records),
                 replay_store_bytes=max(int(r.get("replay_store_bytes") or 0) for r in records))
@@ -296,12 +301,56 @@ def _verdict(rows: list[dict], kind: str, lengths: list[int]) -> str:
     return text
 
 
+def _warmup_only(r: Optional[dict]) -> Optional[dict]:
+    """The row with ``warmup`` set when its step time comes from the first (warm-up) iteration alone."""
+    if r is None:
+        return None
+    n = r.get("iterations")
+    return dict(r, warmup=r.get("median_step_ms") is not None and n is not None and int(n) <= 1)
+
+
+def read_csv(path: Path) -> list[dict]:
+    """Rows of a longest.csv, numbers parsed (the inverse of write_csv)."""
+    rows = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            row = {k: (r.get(k) or None) for k in CSV_FIELDS}
+            row["seq_len"] = int(row["seq_len"])
+            row["error"] = row["error"] or ""
+            for k, conv in (("median_step_ms", float), ("tokens_per_s", float), ("peak_mem_bytes", int),
+                            ("replay_store_bytes", int), ("iterations", int)):
+                if row[k] is not None:
+                    row[k] = conv(float(row[k]))
+            rows.append(row)
+    return rows
+
+
+def merge(dirs: Sequence[str], out: Path) -> tuple[list[dict], list[int], dict, int]:
+    """Rows of several sweeps (one row per (kind, length); a later directory wins), their meta and iters."""
+    by, meta = {}, None
+    for d in dirs:
+        path = Path(d) / "longest.csv"
+        if not path.exists():
+            raise LongestRefused(f"--merge: {path} does not exist")
+        for r in read_csv(path):
+            by[(r["kind"], r["seq_len"])] = r
+        if meta is None and (Path(d) / "meta.json").exists():
+            meta = json.loads((Path(d) / "meta.json").read_text())
+    if meta is None:
+        raise LongestRefused(f"--merge: none of {list(dirs)} has a meta.json (device, versions, date, config)")
+    rows = sorted(by.values(), key=lambda r: (r["seq_len"], KINDS.index(r["kind"])))
+    return rows, sorted({r["seq_len"] for r in rows}), meta, int(meta.get("iters", 0))
+
+
 def markdown(rows: list[dict], lengths: list[int], meta: dict, iters: int) -> str:
     by = {(r["kind"], r["seq_len"]): r for r in rows}
     mem_kind = "peak allocated, CUDA" if meta.get("device") == "cuda" else "peak RSS of the process, CPU"
 
     def cell(r, key, fmt):
         return "" if r is None or r.get(key) is None else fmt.format(r[key])
+
+    def step(r):
+        return cell(r, "median_step_ms", "{:.1f}") + (" (warm-up)" if r is not None and r["warmup"] else "")
 
     def mib(r):
         return "" if r is None or r.get("peak_mem_bytes") is None else f"{r['peak_mem_bytes'] / 2**20:.1f}"
@@ -322,12 +371,13 @@ def markdown(rows: list[dict], lengths: list[int], meta: dict, iters: int) -> st
         status = {k: ("not run" if r is None else r["status"].upper() if r["status"] != "ok" else "ok")
                   for k, r in (("stock", st), ("hyscale", hs))}
         speed = ""
-        if st and hs and st.get("median_step_ms") and hs.get("median_step_ms"):
+        st, hs = (_warmup_only(r) for r in (st, hs))
+        if st and hs and st.get("median_step_ms") and hs.get("median_step_ms") and not (st["warmup"] or hs["warmup"]):
             speed = f"{st['median_step_ms'] / hs['median_step_ms']:.2f}x"
         lines.append(
-            f"| {seq} | {status['stock']} | {cell(st, 'median_step_ms', '{:.1f}')} | {cell(st, 'tokens_per_s', '{:.0f}')} "
+            f"| {seq} | {status['stock']} | {step(st)} | {cell(st, 'tokens_per_s', '{:.0f}')} "
             f"| {mib(st)} "
-            f"| {status['hyscale']} | {cell(hs, 'median_step_ms', '{:.1f}')} | {cell(hs, 'tokens_per_s', '{:.0f}')} "
+            f"| {status['hyscale']} | {step(hs)} | {cell(hs, 'tokens_per_s', '{:.0f}')} "
             f"| {mib(hs)} "
             f"| {cell(hs, 'replay_store_bytes', '{}')} | {speed} |")
     lines += [
@@ -338,7 +388,8 @@ def markdown(rows: list[dict], lengths: list[int], meta: dict, iters: int) -> st
         f"Step time: median without the warm-up iteration. Peak memory: {mem_kind}. \"not run\": the kind had "
         "already stopped (OOM, error or time limit) at a shorter length, or was not requested (`--kinds`). "
         "PARTIAL: the per-run time limit fired after at least one iteration (it trained at that length; "
-        "step time from the iterations logged).",
+        "step time from the iterations logged). (warm-up): only the first iteration finished, so the step time "
+        "includes one-time costs (kernel JIT, allocator warm-up) and no speedup is computed from it.",
     ]
     errs = [r for r in rows if r["status"] != "ok"]
     if errs:
@@ -359,6 +410,13 @@ def main(argv: Optional[Sequence[str]] = None, runner: Runner = default_runner) 
     if opts.run_timeout_s is not None and opts.run_timeout_s <= 0:
         print(f"{PROG}: --run-timeout-s must be > 0 seconds, got {opts.run_timeout_s:g}", file=sys.stderr)
         return 2
+    if opts.merge:
+        try:
+            rows, lengths, meta, iters = merge([d for d in opts.merge.split(",") if d], Path(opts.out))
+        except LongestRefused as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return 2
+        return _write_outputs(Path(opts.out), rows, lengths, meta, iters)
     rest = with_default_config(rest)
     hyscale_only = shlex.split(opts.hyscale_args)
     try:
@@ -375,12 +433,20 @@ def main(argv: Optional[Sequence[str]] = None, runner: Runner = default_runner) 
     t0 = time.perf_counter()
     print(f"[{PROG}] {' '.join(t for t in rest if t.startswith('@'))}: seq lengths {opts.seq_lengths}, "
           f"{opts.iters} iterations each, stock backend {meta['stock_backend']}", flush=True)
+    (out / "meta.json").write_text(json.dumps(dict(meta, iters=opts.iters), indent=1))
     rows = sweep(opts, rest, out, runner)
+    rc = _write_outputs(out, rows, opts.seq_lengths, meta, opts.iters)
+    print(f"[{PROG}] {time.perf_counter() - t0:.1f} s total", flush=True)
+    return rc
+
+
+def _write_outputs(out: Path, rows: list[dict], lengths: list[int], meta: dict, iters: int) -> int:
+    out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "longest.csv", rows)
-    md = markdown(rows, opts.seq_lengths, meta, opts.iters)
+    md = markdown(rows, lengths, meta, iters)
     (out / "longest.md").write_text(md)
     print(md, flush=True)
-    print(f"[{PROG}] wrote {out}/longest.csv, longest.md ({time.perf_counter() - t0:.1f} s total)", flush=True)
+    print(f"[{PROG}] wrote {out}/longest.csv, longest.md", flush=True)
     return 1 if any(r["status"] == "error" for r in rows) else 0
 
 

@@ -269,3 +269,21 @@ def test_gpu_packed_segments():
     idx = hytopk(q, w, k, st, en, 2048)
     rows = torch.arange(0, T, 97, device="cuda")
     assert_same_selection(q[rows].float(), w[rows].float(), k.float(), st[rows], en[rows], 2048, True, idx[rows])
+
+
+def test_validate_accepts_1m_tokens_and_rejects_int32_overflow():
+    """1M tokens x top-2048 (2**31 output slots) is valid: output offsets are int64 in the kernel.
+    Only T * H_I (int32 row offsets of w and q rows) or S at 2**31 is refused. Meta tensors: no memory."""
+    from hyscale_kernels.hytopk.op import _validate
+
+    def case(T, H, S):
+        m = dict(device="meta")
+        return (torch.empty(T, H, 128, dtype=torch.bfloat16, **m), torch.empty(T, H, **m),
+                torch.empty(S, 128, dtype=torch.bfloat16, **m), torch.empty(T, dtype=torch.int32, **m),
+                torch.empty(T, dtype=torch.int32, **m))
+
+    q, w, k, st, en = case(1 << 20, 64, 1 << 20)
+    _validate(q, w.bfloat16(), k, st, en, 2048, "auto", check_bounds=False)
+    q, w, k, st, en = case(1 << 25, 64, 16)
+    with pytest.raises(ValueError, match="must be < 2\\*\\*31"):
+        _validate(q, w.bfloat16(), k, st, en, 2048, "auto", check_bounds=False)

@@ -38,6 +38,10 @@ REC = [dict(iteration=i, lm_loss=4.0, indexer_loss=1e-3, step_ms=s, tokens_per_s
     (137, OTHER, "oom", ""),        # the same, reported by a shell or launcher
     (1, OTHER, "error", "RuntimeError: shape '[1, 64, 128]' is invalid for input of size 4096"),
     (1, TORCHRUN_OTHER, "error", "RuntimeError: shape '[1, 64, 128]'"),
+    # torch.distributed's "[rankN]: " prefix; a later NCCL warning is not the error
+    (1, "[rank0]:     raise ValueError(msg)\n[rank0]: ValueError: T or S too large\n"
+        "[rank0]:[W1202 15:42:20 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() was not called\n",
+     "error", "ValueError: T or S too large"),
     (-11, "", "error", "killed by signal SIGSEGV"),
     (2, "hyscale-train: error: argument file x does not exist\n", "error", "exit code 2"),
     (0, SUCCESS, "ok", ""),
@@ -240,3 +244,32 @@ def test_real_time_limit_with_the_tiny_config(tmp_path):
     assert rc == 0
     rows = [(r["kind"], int(r["seq_len"]), r["status"]) for r in _rows(tmp_path / "longest.csv")]
     assert rows == [("stock", 64, "timeout"), ("hyscale", 64, "timeout")]
+
+
+def test_merge_two_sessions(tmp_path, capsys):
+    """--merge joins a stock-only and a HyScale-only sweep; a one-iteration PARTIAL row is marked as a
+    warm-up step time and gets no speedup; a directory without meta.json is refused."""
+    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
+    fake = FakeRunner({"stock": 1 << 30, "hyscale": 1 << 30})
+    assert longest.main(["--out", str(a), TINY, "--seq-lengths", "128,256", "--kinds", "hyscale"], runner=fake) == 0
+    assert longest.main(["--out", str(b), TINY, "--seq-lengths", "128,256", "--kinds", "stock"], runner=fake) == 0
+    rows = _rows(b / "longest.csv")
+    rows[1].update(status="partial", iterations="1", error="time limit 9 s reached after 1 iteration(s)")
+    with open(b / "longest.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    capsys.readouterr()
+    assert longest.main(["--merge", f"{a},{b}", "--out", str(out)]) == 0
+    merged = _rows(out / "longest.csv")
+    assert [(r["kind"], r["seq_len"], r["status"]) for r in merged] == [
+        ("stock", "128", "ok"), ("hyscale", "128", "ok"), ("stock", "256", "partial"), ("hyscale", "256", "ok")]
+    assert merged[1]["iterations"] == "3"
+    md = (out / "longest.md").read_text()
+    assert "| 128 | ok | 15.0 |" in md and "| 1.00x |" in md
+    assert "| 256 | PARTIAL | 15.0 (warm-up) |" in md
+    assert md.count("x |") == 1, "no speedup from a warm-up-only step time"
+    (a / "meta.json").unlink()
+    (b / "meta.json").unlink()
+    assert longest.main(["--merge", f"{a},{b}", "--out", str(out)]) == 2
+    assert "meta.json" in capsys.readouterr().err

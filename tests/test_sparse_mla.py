@@ -242,3 +242,24 @@ def test_backward_variants_match_reference(split, deterministic, N, R):
     ((o2 * do).sum() + (l2[fin] * dl[fin]).sum()).backward()
     torch.testing.assert_close(dq, a.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(dkv, b.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("N,fused", [(5, True), (16, True), (17, False), (70, False)])
+def test_backward_default_picks_kernel_by_head_count(monkeypatch, N, fused):
+    """split=None: fused backward up to FUSED_MAX_HEADS heads (faster there on the H200), split above."""
+    calls = []
+    real = sm_kernels._bwd_fused
+    monkeypatch.setattr(sm_kernels, "_bwd_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(3)
+    T, S, K, V, R = 3, 24, 8, 32, 8
+    q, kv = torch.randn(T, N, V + R, generator=gen), torch.randn(S, V + R, generator=gen)
+    idx = torch.stack([torch.randperm(S, generator=gen)[:K] for _ in range(T)]).int()
+    out, lse = sm_kernels.sparse_mla_fwd(q, kv, idx, 0.3, V)
+    do = torch.randn(T, N, V, generator=gen)
+    dq, dkv = sm_kernels.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 0.3, V)
+    assert bool(calls) == fused
+    a, b = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    o2, _ = sparse_mla_reference(a, b, idx, 0.3, V)
+    (o2 * do).sum().backward()
+    torch.testing.assert_close(dq, a.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dkv, b.grad, rtol=1e-4, atol=1e-4)

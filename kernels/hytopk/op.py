@@ -126,7 +126,8 @@ def _validate(q, w, k, starts, ends, topk, impl, check_bounds):
     check(impl in _IMPLS, f"impl must be one of {_IMPLS}, got {impl!r}")
     for name, t in (("q", q), ("w", w), ("k", k), ("starts", starts), ("ends", ends)):
         check(t.is_contiguous(), f"{name} must be contiguous (call .contiguous() first)")
-    check(S < 2**31 - 1 and T * max(topk, H) < 2**31, "T or S too large for int32 indexing")
+    # in-kernel offsets into q / out / k are int64; S, T and T * H_I (the w and starts/ends rows) are int32
+    check(S < 2**31 - 1 and T * H < 2**31, f"T * H_I ({T} x {H}) and S ({S}) must be < 2**31 (int32 row offsets)")
     if check_bounds and T > 0:
         lo = torch.stack([starts.min(), (ends - starts).min(), -ends.max()]).tolist()
         check(lo[0] >= 0, f"starts must be >= 0, got min {lo[0]}")

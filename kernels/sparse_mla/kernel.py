@@ -25,8 +25,9 @@ Backward, "split" (``split=True``): two kernels, both with large MMA tiles and n
   The split recomputes S and dP once more (3840 instead of 2752 MACs per head-key) but keeps
   one dkv row update per (token, key) whatever the head count.
 ``split=False`` runs the fused kernel instead: one program per token and block of 32 heads, dkv
-atomics per head block (mma.sync: M = 32 < 64). Split is the default: on the H200 at T = 16K,
-N = 128 it took 276 ms vs the fused kernel's 346 ms (bench/results/sparse_attn.csv).
+atomics per head block (mma.sync: M = 32 < 64). ``split=None`` (default) picks by head count: at
+T = 16K on the H200 split wins at N = 64 / 128 (150 / 277 ms vs fused 172 / 346) and fused wins at
+N = 16 (64 vs 109 ms) (bench/results/sparse_bwd_parts.csv).
 """
 
 from __future__ import annotations
@@ -315,6 +316,11 @@ FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2)
 BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2)
 BWD_DKV_CFG = dict(block_h=32, block_k=32, num_warps=8, num_stages=1)
 BWD_FUSED_CFG = dict(block_h=32, block_k=16, num_warps=8, num_stages=2)
+# split=None picks the fused backward up to this many heads: per-kernel profile at T = 16K, k = 2048
+# (bench/sparse_bwd_parts.py, bench/results/sparse_bwd_parts.csv): N = 16 fused 64 ms vs split 109
+# (dq 22 + dkv 86: the dkv kernel's 16-head M tile wastes its MMA); N = 64 split 150 vs fused 172;
+# N = 128 split 277 vs fused 346. N = 32 is not measured and stays on the split path.
+FUSED_MAX_HEADS = 16
 
 
 def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None, num_warps=None, num_stages=None):
@@ -335,12 +341,12 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None,
     return out, lse
 
 
-def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deterministic=False, split=True,
+def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deterministic=False, split=None,
                    dq_cfg=None, dkv_cfg=None, fused_cfg=None, buf_elems=1 << 27):
     """Gradients (dq [T, N, Dqk] in q's dtype, dkv fp32 [S, Dqk]) from the saved out / lse.
 
-    ``split=True`` (default, faster on the H200): dq kernel + per-token dkv kernel (see the module
-    docstring); ``split=False``: the fused kernel.
+    ``split=True``: dq kernel + per-token dkv kernel (see the module docstring); ``split=False``: the
+    fused kernel; ``None`` (default): fused for N <= FUSED_MAX_HEADS, split above (H200 profile).
     ``*_cfg``: dicts of block_h / block_k / num_warps / num_stages overriding the defaults.
     ``bench/check_sparse_mla.py --resources`` reports smem / spills per config offline.
     """
@@ -356,6 +362,8 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     interp = _interp(q)
     args = (softmax_scale, softmax_scale * LOG2E)
     delta = torch.empty(T, N, dtype=torch.float32, device=q.device)
+    if split is None:
+        split = N > FUSED_MAX_HEADS
     if not split:
         return _bwd_fused(q, kv, idx, out, lse, dout, dlse, delta, dq, dkv, args, meta, deterministic,
                           dict(BWD_FUSED_CFG, **(fused_cfg or {})), interp, buf_elems)
