@@ -120,23 +120,36 @@ def _selected_scores_bwd_kernel(
             b_g = tl.where(m_j, k_coef * (tl.exp(b_sc - k_lse) * k_tnsum - b_tn), 0.0)  # [BLOCK_J]
         else:
             b_g = tl.load(g + i_t.to(tl.int64) * K + o_j, mask=m_j, other=0.0)  # [BLOCK_J]
+        # dq takes dS [H, J] and dk takes dS^T [J, H], each built in its own orientation and fed to
+        # the MMA as the A operand straight from registers (with ReLU, from a second score MMA in the
+        # transposed orientation). Never tl.trans a dS tile (dk = dot(trans(dS), q) did): on Hopper
+        # (Triton >= 3.4) that lowers through a #linear / shared-memory transpose of the wgmma
+        # accumulator layout, which miscompiled into wrong gradients (cf. fla-org/flash-linear-attention
+        # #640, #984). ReLU pays a 4th small MMA per tile.
         if IEEE:
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_H, BLOCK_J]
         else:
             b_s = tl.dot(b_q, tl.trans(b_k))  # [BLOCK_H, BLOCK_J]
         if RELU:
+            if IEEE:
+                b_st = tl.dot(b_k, tl.trans(b_q), input_precision="ieee")  # [BLOCK_J, BLOCK_H]
+            else:
+                b_st = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_J, BLOCK_H]
             b_dw += tl.sum(tl.maximum(b_s, 0.0) * b_g[None, :], axis=1)
             b_ds = tl.where(b_s > 0.0, b_w[:, None] * b_g[None, :], 0.0)  # [BLOCK_H, BLOCK_J]
+            b_dst = tl.where(b_st > 0.0, b_g[:, None] * b_w[None, :], 0.0)  # [BLOCK_J, BLOCK_H]
         else:
             b_dw += tl.sum(b_s * b_g[None, :], axis=1)
             b_ds = b_w[:, None] * b_g[None, :]  # [BLOCK_H, BLOCK_J]
+            b_dst = b_g[:, None] * b_w[None, :]  # [BLOCK_J, BLOCK_H]
         b_ds = b_ds.to(b_k.dtype)
+        b_dst = b_dst.to(b_k.dtype)
         if IEEE:
             b_dq += tl.dot(b_ds, b_k, input_precision="ieee")
-            b_dk = tl.dot(tl.trans(b_ds), b_q, input_precision="ieee")  # [BLOCK_J, BLOCK_D]
+            b_dk = tl.dot(b_dst, b_q, input_precision="ieee")  # [BLOCK_J, BLOCK_D]
         else:
             b_dq += tl.dot(b_ds, b_k)
-            b_dk = tl.dot(tl.trans(b_ds), b_q)  # [BLOCK_J, BLOCK_D]
+            b_dk = tl.dot(b_dst, b_q)  # [BLOCK_J, BLOCK_D]
         if DETERMINISTIC:  # per-slot contributions of this row chunk, reduced in sorted order later
             p_buf = dk + ((i_t - row0).to(tl.int64) * K + o_j)[:, None] * D + o_d[None, :]
             tl.store(p_buf, b_dk, mask=(o_j < K)[:, None] & m_d[None, :])
