@@ -41,6 +41,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from hyscale_kernels.hytopk import Config, hytopk, hytopk_floor  # noqa: E402
+from hyscale_kernels.hytopk.op import default_config, warm_stats  # noqa: E402
 from hyscale_kernels.hytopk.reference import hytopk_reference  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -56,9 +57,83 @@ p.add_argument("--naive-max", type=int, default=16384)
 p.add_argument("--sweep-S", type=int, default=65536)
 p.add_argument("--config", default=None, help="json Config fields for every HyTopK/floor call")
 p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (script check)")
+p.add_argument("--resources", action="store_true",
+               help="no GPU needed: compile the sweep configs (H 64, D 128, k 2048, bf16) for sm_90a and print "
+                    "smem / registers / spills / local-memory ops in the key loop, then exit")
 args = p.parse_args()
 if args.smoke:
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def resources(cfgs, H=64, D=128, kk=2048):
+    """AOT-compile HyTopK for sm_90a (no GPU): one line per config. 'key loop LDL/STL' counts the
+    local-memory (spill) instructions inside the innermost SASS loop holding the main loop's HGMMA."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hyscale_kernels.hytopk import _kernel, op
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    fn = _kernel.hytopk_kernel
+    names = list(fn.arg_names)
+    sig = dict(q_ptr="*bf16", w_ptr="*bf16", k_ptr="*bf16", starts_ptr="*i32", ends_ptr="*i32", out_idx_ptr="*i32",
+               out_val_ptr="*fp32", buf_key_ptr="*i32", buf_idx_ptr="*i32", stats_ptr="*i32", T="i32", S="i32",
+               kk="i32", n_blocks="i32", n_p="i32")
+    sig = {a: sig[a] for a in names if a in sig}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
+    for i, cfg in enumerate(cfgs):
+        R, cap, chunk, min_free, d_p2 = op._geometry(H, D, kk, cfg)
+        warm, chunk_w = op._warm_geometry(cap, chunk, cfg)
+        const = dict(H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
+                     RELU=True, SELECT=True, WRITE_SCORES=False, IEEE=False, WHILE_LOOPS=False,
+                     SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w, WARM_Z=op.WARM_Z, WARM_MIN=op.WARM_MIN)
+        try:
+            t0 = time.time()
+            kern = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const, attrs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            d = tempfile.mkdtemp()
+            with open(os.path.join(d, "k.ptx"), "w") as f:
+                f.write(kern.asm["ptx"])
+            r = subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"),
+                                "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True)
+            info = "; ".join(x.split(":", 1)[-1].strip() for x in r.stderr.splitlines()
+                             if "Used" in x or "spill" in x)
+            sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", os.path.join(d, "k.cubin")],
+                                  capture_output=True, text=True).stdout
+            lines, labels = [], {}
+            for x in sass.splitlines():
+                m = re.match(r"^\s*(\.L_x_\d+):", x)
+                if m:
+                    labels[m.group(1)] = len(lines)
+                elif re.search(r"/\*[0-9a-f]{4,}\*/", x):
+                    lines.append(x)
+            loops = []  # (start, end) of backward branches whose body holds an HGMMA
+            for j, x in enumerate(lines):
+                m = re.search(r"BRA\s.*?\((\.L_x_\d+)\)", x)
+                t = labels.get(m.group(1), 1 << 30) if m else 1 << 30
+                if t < j and any("HGMMA" in y for y in lines[t:j]):
+                    loops.append((t, j))
+            inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+            a, b = max(inner, key=lambda lp: lp[0]) if inner else (0, -1)  # the last innermost one: the key loop
+            spill = sum(("LDL" in x or "STL" in x) for x in lines[a:b + 1])
+            print(f"#{i} {cfg}: {time.time() - t0:.0f}s smem {kern.metadata.shared} B, cp.async "
+                  f"{'cp.async' in kern.asm['ptx']}; {info}; key loop {b - a + 1} instrs, LDL/STL {spill}",
+                  flush=True)
+        except Exception as exc:  # noqa: BLE001
+            print(f"#{i} {cfg}: compile failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+
+
+if args.resources:  # sweep cfg0 (the default launch), cfg5 (search_bits 2) and the warm-start cfg6..9
+    _base = Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=2, programs_per_sm=2)
+    resources([_base, replace(_base, search_bits=2)]
+              + [replace(_base, warm_start=m, search_bits=b) for m in (512, 1024) for b in (1, 2)])
+    sys.exit(0)
+
 os.makedirs(args.out, exist_ok=True)
 CSV = args.csv or os.path.join(args.out, "topk.csv")
 T0 = time.time()
@@ -252,6 +327,33 @@ def _scores_at(q, w, k, idx, relu):
     return (s * w.float()[:, :, None]).sum(1)
 
 
+def warm_cfgs(base):
+    """Warm-start variants of a launch config that the check and the sweep run."""
+    return [replace(base, warm_start=512), replace(base, warm_start=512, search_bits=2),
+            replace(base, warm_start=1024), replace(base, warm_start=1024, search_bits=2)]
+
+
+WARM_CHECK_SPECS = (0, 1, 2, 4)  # causal relu, identity w+-, packed, QSA H4
+
+
+def check_warm(name, q, w, k, st, en, kk, relu):
+    """Config.warm_start is exact: its output must equal the default's bit for bit (same sets, both
+    in ascending key order); also how many rows used the sampled threshold / fell back to -inf."""
+    base = default_config(q.shape[1], kk, interpret=args.smoke)
+    ref_i, ref_v = hytopk(q, w, k, st, en, kk, relu=relu, return_scores=True, config=base)
+    out = []
+    for cfg in warm_cfgs(base)[:2] if args.smoke else warm_cfgs(base):
+        i1, v1 = hytopk(q, w, k, st, en, kk, relu=relu, return_scores=True, config=cfg)
+        ws = warm_stats()
+        i2 = hytopk(q, w, k, st, en, kk, relu=relu, config=cfg)
+        res = dict(check=f"{name} warm_start={cfg.warm_start} search_bits={cfg.search_bits}",
+                   equal_to_default=bool(torch.equal(i1, ref_i) and torch.equal(v1, ref_v)),
+                   deterministic=bool(torch.equal(i1, i2)), **(ws or {}))
+        log("CHECK", json.dumps(res))
+        out.append(res)
+    return out
+
+
 CHECKS = []
 if "check" in args.parts:
     try:
@@ -264,11 +366,13 @@ if "check" in args.parts:
             ("CSA H64 k512 S/4 keys", 16384, 4096, 64, 512, True, causal(16384, ratio=4), False),
         ]
         if args.smoke:
-            specs = [("smoke causal", 40, 40, 4, 8, True, causal(40), False),
+            specs = [("smoke causal", 40, 96, 4, 8, True, causal(40, offset=56), False),
                      ("smoke identity", 30, 30, 2, 8, False, causal(30), True)]
-        for name, T, S, H, kk, relu, (st, en), wsign in specs:
+        for i_spec, (name, T, S, H, kk, relu, (st, en), wsign) in enumerate(specs):
             q, w, k = make_inputs(T, S, H, seed=T + H, w_sign=wsign)
             CHECKS.append(check_rows(name, q, w, k, st, en, kk, relu, cfg=CFG))
+            if CFG is None and i_spec in WARM_CHECK_SPECS:
+                CHECKS.extend(check_warm(name, q, w, k, st, en, kk, relu))
             del q, w, k
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
@@ -287,6 +391,7 @@ SWEEP = [
     Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=3, programs_per_sm=2),
     Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=2, programs_per_sm=2, search_bits=2),
 ]
+SWEEP += warm_cfgs(SWEEP[0])  # cfg6..9: sampled warm-start threshold (session 3, not yet measured)
 BEST = {}
 if "sweep" in args.parts:
     S = 64 if args.smoke else args.sweep_S
@@ -297,20 +402,26 @@ if "sweep" in args.parts:
         q, w, k = make_inputs(T, Sk, H)
         st, en = causal(T, ratio)
         fl = flops(st, en, H)
-        sweep = SWEEP if H == 64 else [SWEEP[0], SWEEP[2], SWEEP[1], replace(SWEEP[2], search_bits=2)]
-        for i, cfg in enumerate([None] if args.smoke else sweep):
+        sweep = SWEEP if H == 64 else [SWEEP[0], SWEEP[2], SWEEP[1], replace(SWEEP[2], search_bits=2),
+                                       replace(SWEEP[2], warm_start=512),
+                                       replace(SWEEP[2], warm_start=512, search_bits=2)]
+        if args.smoke:
+            sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=64)]
+        for i, cfg in enumerate(sweep):
             if left() < 200:
                 log("sweep: time budget, stopping")
                 break
             try:
                 f_ms = time_fn(lambda: hytopk_floor(q, w, k, st, en, config=cfg, topk=kk), target_ms=400)[0]
                 h_ms = time_fn(lambda: hytopk(q, w, k, st, en, kk, check_bounds=False, config=cfg), target_ms=400)[0]
+                ws = warm_stats() if cfg is not None and cfg.warm_start else None  # of the last call
                 log(f"SWEEP H{H} S{S} cfg{i} {cfg}: floor {f_ms:.2f} ms ({fl / f_ms / 1e9:.0f} TF) "
-                    f"hytopk {h_ms:.2f} ms ({fl / h_ms / 1e9:.0f} TF) x{h_ms / f_ms:.3f}")
+                    f"hytopk {h_ms:.2f} ms ({fl / h_ms / 1e9:.0f} TF) x{h_ms / f_ms:.3f}"
+                    + (f" warm {ws}" if ws else ""))
                 record(shape=f"sweep cfg{i}", impl="hytopk", H=H, D=D_I, topk=kk, T=T, S_keys=Sk, ms=round(h_ms, 3),
                        tflops=round(fl / h_ms / 1e9, 1), x_floor=round(h_ms / f_ms, 3),
                        config=json.dumps(cfg.__dict__) if cfg else "default",
-                       note=f"floor {f_ms:.3f} ms")
+                       note=f"floor {f_ms:.3f} ms" + (f"; warm {json.dumps(ws)}" if ws else ""))
                 if best is None or h_ms < best[0]:
                     best = (h_ms, cfg)
             except Exception as exc:  # noqa: BLE001

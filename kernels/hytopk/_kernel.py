@@ -16,6 +16,13 @@ One persistent program owns ``R`` query rows at a time (a "row block") for the w
   keeps exactly ``topk`` entries (ties to the lowest index) and the threshold rises to it;
 * output: the same select writes the final ``topk`` (ascending key index, -1 padded).
 
+Optional warm start (``WARM`` > 0, Config.warm_start): before the key loop, ``WARM`` keys spread
+evenly over the row block's key range are scored with the same code and each row's threshold
+starts at the j-th largest of its visible sample keys (j from a binomial quantile margin, so that
+fewer than ``topk`` keys above it is improbable). A row that still ends with fewer than ``topk``
+candidates is re-run from -inf (a second pass over that row block; the other rows append
+nothing). Exact and deterministic either way; see ``_warm_threshold`` for the tie argument.
+
 Nothing of size [rows, S] is ever stored: scratch is O(programs * R * CAP).
 """
 
@@ -25,6 +32,7 @@ import triton
 import triton.language as tl
 
 INT32_MIN = tl.constexpr(-2147483648)
+INT32_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit
@@ -200,15 +208,123 @@ def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, ke
 
 
 @triton.jit
+def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
+                 H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, WARM: tl.constexpr,
+                 RELU: tl.constexpr, IEEE: tl.constexpr):
+    """Warm-start sample slots [i_t, i_t + BLOCK_N): key index lo + slot * span // WARM.
+
+    Scores them with the main loop's code (same MMA, activation, weights, head sum, int32 key)
+    and writes each row's key into slot ``slot`` of its buffer (INT32_MIN where the key is not
+    visible to the row: never counted by the select). Returns visible samples per row [R].
+    """
+    o_i = i_t + o_n  # [BLOCK_N] sample slots
+    m_i = o_i < WARM
+    o_s = lo + ((o_i.to(tl.int64) * span) // WARM).to(tl.int32)  # [BLOCK_N] distinct key indices
+    b_k = tl.load(k_ptr + o_s.to(tl.int64)[:, None] * D + o_d[None, :],
+                  mask=m_i[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
+    sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE)  # [BLOCK_N, R]
+    m_vis = m_i[:, None] & (o_s[:, None] >= b_start[None, :]) & (o_s[:, None] < b_end[None, :])
+    key = tl.where(m_vis, _score_to_key(sc), INT32_MIN)  # [BLOCK_N, R]
+    tl.store(key_rows[None, :] + o_i[:, None], key, mask=m_i[:, None])
+    return tl.sum(m_vis.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n, o_d, m_d,
+                    H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
+                    WARM: tl.constexpr, CHUNK_W: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr,
+                    RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr):
+    """Each row's starting threshold key tau [R] (INT32_MIN: no warm start for that row).
+
+    Only run when some row sees more than CAP keys (fewer never compact), so hi - lo > CAP >=
+    WARM and the WARM sample indices are distinct. Row r with n visible keys and m visible
+    samples: the fraction p of its keys above the j-th largest sample is Beta(j, m + 1 - j), and
+    P(fewer than topk keys above) = P(p < topk/n) = P(Binomial(m, topk/n) >= j). j = floor(mu +
+    WARM_Z * sd) + 1 with mu = m * topk / n, sd = sqrt(mu * (1 - topk/n)) puts j WARM_Z
+    standard deviations above the boundary; about n * j / (m + 1) keys end up above tau.
+    Used where n > CAP, m >= WARM_MIN and 2 j <= m (the threshold cuts at least half the keys).
+
+    Returns tau = (j-th largest sample key) - 1, so the key loop's strict ``key > tau`` takes keys
+    >= the sample quantile (ties with it included).
+
+    Exactness and ties: the key loop then appends keys strictly above tau. If at least topk
+    visible keys are > tau, the row's topk-th largest key v satisfies v > tau, so every key >= v
+    (all keys tied at v included) is appended, in ascending index order as before: the buffer
+    holds every key the -inf start would have kept and the same compaction / lowest-index tie
+    rule gives the same set. Otherwise the row ends with cnt < topk and the caller re-runs it
+    from -inf. The sample itself is only a heuristic; it cannot change the result.
+    """
+    n_vis = tl.where(m_live, b_end - b_start, 0)  # [R]
+    span = hi - lo
+    m_smp = tl.zeros_like(n_vis)  # [R] visible samples per row
+    for i_t in range(0, WARM, BLOCK_N):
+        m_smp += _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
+                              H, D, R, BLOCK_N, WARM, RELU, IEEE)
+    tl.debug_barrier()  # sample keys visible to every thread
+    p0 = kk / tl.maximum(n_vis, 1).to(tl.float32)  # [R] fraction of the row's keys that is kept
+    mu = m_smp.to(tl.float32) * p0
+    j = (mu + WARM_Z * tl.sqrt(tl.maximum(mu * (1.0 - p0), 0.0))).to(tl.int32) + 1  # [R]
+    on = (n_vis > CAP) & (m_smp >= WARM_MIN) & (2 * j <= m_smp)
+    j = tl.where(on, j, 1)
+    o_hw = tl.arange(0, CHUNK_W)
+    n_smp = tl.full([R], WARM, dtype=tl.int32)
+    if SEARCH2:
+        tau = _kth_key2(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W)
+    else:
+        tau = _kth_key(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W)
+    tl.debug_barrier()  # select done reading before the key loop overwrites the slots
+    # tau - 1: keys tied with the j-th sample key pass too (a sample value repeated across
+    # many keys, e.g. ReLU zeros, would otherwise send the row to the -inf re-run)
+    return tl.where(on, tau - 1, INT32_MIN)
+
+
+@triton.jit
+def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows, m_t,
+              o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
+              SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr):
+    """The row block's key loop (all its tiles, ascending), compacting between segments."""
+    i_n = 0
+    while i_n < n_tiles:
+        # a segment of tiles that cannot overflow any row's buffer: the tile loop itself
+        # stays free of branches and barriers, so it software-pipelines
+        n_seg = n_tiles - i_n
+        if SELECT:
+            if CAP - tl.max(cnt, axis=0) < MIN_FREE:
+                tl.debug_barrier()  # appends of earlier tiles visible to all threads
+                kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
+                                    False, False, R, CAP, CHUNK, SEARCH2)
+                thr = tl.maximum(thr, kth)
+                cnt = tl.minimum(cnt, kk)
+            n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
+        if WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
+            i_e = i_n + n_seg
+            while i_n < i_e:
+                cnt, thr, b_max = _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr,
+                                            b_max, key_rows, idx_rows, o_n, o_d, m_d,
+                                            H, D, R, BLOCK_N, RELU, SELECT, IEEE)
+                i_n += 1
+        else:
+            for i_j in range(i_n, i_n + n_seg):
+                cnt, thr, b_max = _key_tile(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr,
+                                            b_max, key_rows, idx_rows, o_n, o_d, m_d,
+                                            H, D, R, BLOCK_N, RELU, SELECT, IEEE)
+            i_n += n_seg
+    return cnt, thr, b_max
+
+
+@triton.jit
 def hytopk_kernel(
     q_ptr, w_ptr, k_ptr, starts_ptr, ends_ptr,  # q [T,H,D], w [T,H], k [S,D], bounds int32 [T]
     out_idx_ptr, out_val_ptr,  # SELECT: [T, topk] int32 / fp32 (WRITE_SCORES); floor: out_val [T] row max
     buf_key_ptr, buf_idx_ptr,  # scratch int32 [programs, R, CAP]
+    stats_ptr,  # WARM: int32 [3] += rows warm-started, rows re-run from -inf, row blocks re-run
     T, S, kk, n_blocks, n_p,  # n_p: programs in the (persistent) grid
     H: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, R: tl.constexpr,
     BLOCK_N: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr,
     RELU: tl.constexpr, SELECT: tl.constexpr, WRITE_SCORES: tl.constexpr, IEEE: tl.constexpr,
     WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
+    WARM: tl.constexpr = 0, CHUNK_W: tl.constexpr = 1, WARM_Z: tl.constexpr = 4.0, WARM_MIN: tl.constexpr = 16,
 ):
     i_p = tl.program_id(0)
     RH: tl.constexpr = R * H
@@ -244,32 +360,37 @@ def hytopk_kernel(
         cnt = tl.zeros([R], dtype=tl.int32)  # candidates held per row
         thr = tl.full([R], INT32_MIN, dtype=tl.int32)  # running threshold key per row
         b_max = tl.full([R], float("-inf"), dtype=tl.float32)  # floor mode only
-        i_n = 0
-        while i_n < n_tiles:
-            # a segment of tiles that cannot overflow any row's buffer: the tile loop itself
-            # stays free of branches and barriers, so it software-pipelines
-            n_seg = n_tiles - i_n
-            if SELECT:
-                if CAP - tl.max(cnt, axis=0) < MIN_FREE:
-                    tl.debug_barrier()  # appends of earlier tiles visible to all threads
-                    kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
-                                        False, False, R, CAP, CHUNK, SEARCH2)
-                    thr = tl.maximum(thr, kth)
-                    cnt = tl.minimum(cnt, kk)
-                n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
-            if WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
-                i_e = i_n + n_seg
-                while i_n < i_e:
-                    cnt, thr, b_max = _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr,
-                                                b_max, key_rows, idx_rows, o_n, o_d, m_d,
-                                                H, D, R, BLOCK_N, RELU, SELECT, IEEE)
-                    i_n += 1
-            else:
-                for i_j in range(i_n, i_n + n_seg):
-                    cnt, thr, b_max = _key_tile(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr,
-                                                b_max, key_rows, idx_rows, o_n, o_d, m_d,
-                                                H, D, R, BLOCK_N, RELU, SELECT, IEEE)
-                i_n += n_seg
+        if WARM > 0 and SELECT:
+            if tl.max(tl.where(m_live, b_end - b_start, 0), axis=0) > CAP:
+                thr = _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n,
+                                      o_d, m_d, H, D, R, BLOCK_N, CAP, WARM, CHUNK_W, WARM_Z, WARM_MIN,
+                                      RELU, IEEE, SEARCH2)
+            on = thr > INT32_MIN  # [R] rows started from a sampled threshold
+            n_on = tl.sum(on.to(tl.int32), axis=0)
+            n_fail = n_on * 0
+            n_pass = n_on * 0 + 1
+            i_pass = n_on * 0
+            while i_pass < n_pass:
+                cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
+                                            key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
+                                            CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2)
+                # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
+                # keep their buffers and append nothing more (no key is > INT32_MAX)
+                fail = on & (cnt < kk)  # [R]; all False after the first pass
+                n_f = tl.sum(fail.to(tl.int32), axis=0)
+                n_fail += n_f
+                n_pass += (n_f > 0).to(tl.int32)
+                cnt = tl.where(fail, 0, cnt)
+                thr = tl.where(fail, INT32_MIN, tl.where(n_f > 0, INT32_MAX, thr))
+                on = fail & (cnt < 0)
+                i_pass += 1
+            tl.atomic_add(stats_ptr, n_on)
+            tl.atomic_add(stats_ptr + 1, n_fail)
+            tl.atomic_add(stats_ptr + 2, (n_fail > 0).to(tl.int32))
+        else:
+            cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
+                                        key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
+                                        CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2)
 
         if SELECT:
             tl.debug_barrier()

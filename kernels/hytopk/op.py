@@ -17,6 +17,9 @@ MAX_TOPK = 2048
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 _IMPLS = ("auto", "triton", "reference")
 _logged_reference = False
+WARM_Z = 4.0  # warm start: sampled quantile this many binomial standard deviations above the k boundary
+WARM_MIN = 16  # warm start: fewest visible sample keys a row needs to use it
+_warm_stats = None  # int32 [3] of the last warm-start launch (device tensor, read without a sync)
 
 
 def interpreter_active() -> bool:
@@ -37,6 +40,10 @@ class Config:
     min_free_tiles: int = 4  # compact a row block's buffers when fewer free slots than this many tiles
     sel_chunk: int = 2048  # R * CHUNK elements per step of the select
     search_bits: int = 1  # radix-select bits per counting pass: 1 (measured) or 2 (unrolled, unmeasured)
+    # sampled warm-start threshold: keys scored per row block before its key loop (rounded up to a
+    # power of two, at most CAP); 0 = off (the default until measured on the GPU). Exact: rows
+    # left with fewer than topk candidates are re-run from -inf (see warm_stats()).
+    warm_start: int = 0
 
 
 def _pow2_ceil(x: int) -> int:
@@ -50,6 +57,22 @@ def default_config(H: int, topk: int, interpret: bool = False) -> Config:
     return Config()
 
 
+def warm_stats() -> dict | None:
+    """Counters of the last HyTopK launch that used ``Config.warm_start`` (None before any): rows
+    started from a sampled threshold, rows re-run from -inf (fewer than topk keys above it) and
+    row blocks that needed that second pass. Reading them synchronizes; meant for tests/benches."""
+    if _warm_stats is None:
+        return None
+    a = _warm_stats.tolist()
+    return dict(warm_rows=a[0], fallback_rows=a[1], fallback_blocks=a[2])
+
+
+def warm_sample_positions(lo: int, hi: int, warm: int) -> list[int]:
+    """Key indices the kernel samples for a row block whose rows see keys within [lo, hi) (hi - lo
+    > CAP >= warm): ``lo + i * (hi - lo) // warm``, i < warm (``warm`` after rounding, see _geometry)."""
+    return [lo + i * (hi - lo) // warm for i in range(warm)]
+
+
 def _geometry(H: int, D: int, topk: int, cfg: Config):
     """(R, CAP, CHUNK, MIN_FREE, D_P2): rows per program, slots per row, select chunk, free floor."""
     min_free = cfg.min_free_tiles * cfg.block_n
@@ -60,6 +83,14 @@ def _geometry(H: int, D: int, topk: int, cfg: Config):
     return R, cap, chunk, min_free, _pow2_ceil(max(D, 16))
 
 
+def _warm_geometry(cap: int, chunk: int, cfg: Config):
+    """(WARM, CHUNK_W): warm-start sample keys per row block (0 = off) and their select chunk."""
+    if cfg.warm_start <= 0:
+        return 0, 1
+    warm = min(_pow2_ceil(cfg.warm_start), cap)
+    return warm, min(chunk, warm)
+
+
 def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, config: Config | None = None):
     """Run the Triton kernel. select=False runs the no-selection floor (returns the row max)."""
     T, H, D = q.shape
@@ -67,6 +98,7 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     interp = interpreter_active()
     cfg = config or default_config(H, topk, interp)
     R, cap, chunk, min_free, d_p2 = _geometry(H, D, topk, cfg)
+    warm, chunk_w = _warm_geometry(cap, chunk, cfg) if select else (0, 1)
     n_blocks = triton_cdiv(T, R)
     if interp or not q.is_cuda:
         n_prog = min(n_blocks, 3)
@@ -84,16 +116,21 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
         out_idx = torch.empty((1,), dtype=torch.int32, device=dev)
         out_val = torch.empty((T,), dtype=torch.float32, device=dev)
         scratch = torch.empty((2, 1, 1, 1), dtype=torch.int32, device=dev)
+    stats = torch.zeros(3, dtype=torch.int32, device=dev) if warm else out_idx
     if T == 0:
         return (out_idx, out_val) if (return_scores or not select) else out_idx
     _kernel.hytopk_kernel[(n_prog,)](
-        q, w, k, starts, ends, out_idx, out_val, scratch[0], scratch[1],
+        q, w, k, starts, ends, out_idx, out_val, scratch[0], scratch[1], stats,
         T, S, topk, n_blocks, n_prog,
         H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
         RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(select and return_scores),
         IEEE=q.dtype == torch.float32, WHILE_LOOPS=interp, SEARCH2=cfg.search_bits == 2,
+        WARM=warm, CHUNK_W=chunk_w, WARM_Z=WARM_Z, WARM_MIN=WARM_MIN,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if warm:
+        global _warm_stats
+        _warm_stats = stats
     if not select:
         return out_val
     return (out_idx, out_val) if return_scores else out_idx
@@ -201,4 +238,5 @@ def hytopk_floor(q, w, k, starts, ends, relu: bool = True, config: Config | None
     return _launch(q, w, k, starts, ends, topk, relu, False, select=False, config=config)
 
 
-__all__ = ["hytopk", "hytopk_floor", "Config", "default_config", "interpreter_active", "MAX_TOPK", "replace"]
+__all__ = ["hytopk", "hytopk_floor", "Config", "default_config", "interpreter_active", "MAX_TOPK", "replace",
+           "warm_stats"]
