@@ -218,9 +218,13 @@ class _Compute:
         else:
             outs = [self._sparse_mla(query[:, bi], key[:, bi, 0], topk_indices[bi], softmax_scale, v_dim)[0]
                     for bi in range(b)]
-        latent = torch.stack(outs, dim=1)  # [sq, b, np, v_dim]
-        output = torch.einsum("sbhc,hdc->sbhd", latent, up_v_weight)
-        return output.reshape(sq, b, -1)
+        # Per sequence: the up-projection saves the attention's own latent output (no [sq, b, np, v_dim]
+        # stacked copy) and its backward writes the latent gradient in the layout the sparse-attention
+        # backward reads (no [np, sq, v_dim] -> [sq, np, v_dim] copy there).
+        projected = [_UpProjectV.apply(o, up_v_weight) for o in outs]  # [sq, np * v_head] each
+        if b == 1:
+            return projected[0].unsqueeze(1)
+        return torch.stack(projected, dim=1)
 
     def _sparse_mla(self, q, kv, idx, scale, v_dim):
         impl = self.cfg.attn_impl
@@ -240,6 +244,36 @@ class _Compute:
         if q.is_cuda:
             log_once("attn-ref-cuda", "hyscale: sparse attention on CUDA uses the chunked PyTorch reference")
         return sparse_mla_reference(q, kv, idx, scale, v_dim=v_dim)
+
+
+class _UpProjectV(torch.autograd.Function):
+    """Absorbed-MLA value up-projection of one sequence: latent [s, np, c] x up_v [np, d, c] -> [s, np * d].
+
+    Same values as stock's ``einsum("sbhc,hdc->sbhd")`` + reshape (the same batched GEMM over heads,
+    forward and both gradients). Memory: saves ``latent`` itself (the sparse attention's output, which
+    that backward saves anyway) instead of a stacked copy, and writes d latent straight into a
+    [s, np, c]-contiguous buffer (``bmm`` into a head-major view of it) -- the layout the sparse
+    attention backward needs -- instead of a head-major [np, s, c] result plus a contiguous copy.
+    """
+
+    @staticmethod
+    def forward(ctx, latent, up_v):
+        ctx.save_for_backward(latent, up_v)
+        out = torch.einsum("sbhc,hdc->sbhd", latent.unsqueeze(1), up_v)  # stock's op, b = 1
+        return out.reshape(latent.shape[0], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        latent, up_v = ctx.saved_tensors
+        s, h, c = latent.shape
+        g = grad.reshape(s, h, -1).transpose(0, 1)  # [np, s, d], a view
+        d_latent = d_up_v = None
+        if ctx.needs_input_grad[0]:
+            d_latent = torch.empty(s, h, c, dtype=latent.dtype, device=latent.device)
+            torch.bmm(g, up_v, out=d_latent.transpose(0, 1))  # [np, s, c] view of [s, np, c]
+        if ctx.needs_input_grad[1]:
+            d_up_v = torch.bmm(latent.permute(1, 2, 0), g).transpose(1, 2)  # [np, c, d] -> [np, d, c] view
+        return d_latent, d_up_v
 
 
 class HyScaleDSAttention(stock_dsa.DSAttention):

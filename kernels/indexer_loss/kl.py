@@ -8,10 +8,15 @@ Per row t over its selected slots j (valid where indices[t, j] >= 0):
     d kl[t] / d scores[t, j] = mask[t] * (softmax_j * sum_j tn - tn_j)            (0 at padding)
 
 Exactly the reference's ``_kl_rows(target, _masked_log_softmax(scores, valid), row_mask)`` (a row
-with no valid slot has kl = 0 and no gradient). The forward kernel reads target and scores once
-and writes only per-row values [T] (kl, lse, sum of tn); the gradient is never materialised: the
-selected-scores backward kernel recomputes it per slot from (scores, target, row stats)
-(``selected_scores._triton_bwd(..., kl=...)``). Live [T, topk] fp32 tensors: target and scores.
+with no valid slot has kl = 0 and no gradient). The forward kernel reads target and scores and
+writes the per-row values [T] (kl, lse, sum of tn); with ``grad_out`` it also writes the unscaled
+score gradient ``G = softmax * sum(tn) - tn`` (0 at padding) in a third pass -- in place over the
+scores buffer in ``_SparseKL``. The autograd Function then saves G alone: one [T, topk] fp32
+tensor between forward and backward instead of two (target and scores, 8 KiB/token less at
+topk 2048), and the backward scales it by coef in place and hands it to the selected-scores
+backward kernel as the score gradient (``selected_scores._triton_bwd(..., g)``). Same values as
+recomputing coef * (exp(s - lse) * sum(tn) - tn) per slot there: the same fp32 expression, rounded
+once, then one multiply by coef.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ EPS = 1e-10
 
 
 @triton.jit
-def _kl_rows_kernel(target, scores, idx, mask, kl, lse_out, tsum_out, eps,
-                    K: tl.constexpr, BLOCK_J: tl.constexpr, HAS_MASK: tl.constexpr):
+def _kl_rows_kernel(target, scores, idx, mask, kl, lse_out, tsum_out, grad, eps,
+                    K: tl.constexpr, BLOCK_J: tl.constexpr, HAS_MASK: tl.constexpr, WRITE_GRAD: tl.constexpr):
     i_t = tl.program_id(0)
     base = i_t.to(tl.int64) * K
     # pass 1: target sum and score max / sum-exp (online) over the valid slots
@@ -63,10 +68,22 @@ def _kl_rows_kernel(target, scores, idx, mask, kl, lse_out, tsum_out, eps,
     tl.store(kl + i_t, r)
     tl.store(lse_out + i_t, lse)
     tl.store(tsum_out + i_t, tsum)
+    if WRITE_GRAD:  # pass 3: d kl / d scores without coef (grad may alias scores: each slot read, then written)
+        tnsum = tsum / den
+        for j0 in range(0, K, BLOCK_J):
+            o_j = j0 + tl.arange(0, BLOCK_J)
+            m_j = tl.load(idx + base + o_j, mask=o_j < K, other=-1) >= 0
+            b_s = tl.load(scores + base + o_j, mask=m_j, other=0.0)
+            b_t = tl.load(target + base + o_j, mask=m_j, other=0.0) / den
+            b_g = tl.where(m_j, tl.exp(b_s - lse) * tnsum - b_t, 0.0)
+            tl.store(grad + base + o_j, b_g, mask=o_j < K)
 
 
-def kl_rows(target: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor, row_mask=None):
-    """-> (kl [T] masked, lse [T], tsum [T] = sum of the raw target); all fp32."""
+def kl_rows(target: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor, row_mask=None, grad_out=None):
+    """-> (kl [T] masked, lse [T], tsum [T] = sum of the raw target); all fp32.
+
+    ``grad_out`` (fp32 [T, topk], may be ``scores`` itself): also write G = softmax(scores) * sum(tn) - tn
+    (0 at padding), the row's KL gradient w.r.t. the scores before the coef/row-mask scaling."""
     T, K = target.shape
     kl = torch.empty(T, dtype=torch.float32, device=target.device)
     lse = torch.empty_like(kl)
@@ -77,8 +94,9 @@ def kl_rows(target: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor, r
     if not target.is_cuda:
         block = min(block, 64)
     m = row_mask.contiguous().float() if row_mask is not None else kl
-    _kl_rows_kernel[(T,)](target, scores, indices, m, kl, lse, den, EPS, K=K, BLOCK_J=block,
-                          HAS_MASK=row_mask is not None, num_warps=4)
+    _kl_rows_kernel[(T,)](target, scores, indices, m, kl, lse, den, grad_out if grad_out is not None else kl, EPS,
+                          K=K, BLOCK_J=block, HAS_MASK=row_mask is not None, WRITE_GRAD=grad_out is not None,
+                          num_warps=4)
     return kl, lse, den
 
 
@@ -90,20 +108,23 @@ class _SparseKL(torch.autograd.Function):
         from ..hytopk.selected_scores import _triton_fwd  # noqa: PLC0415
 
         scores = _triton_fwd(q, w, k, indices, relu)  # [T, topk] fp32
-        kl, lse, den = kl_rows(target, scores, indices, row_mask)
-        ctx.save_for_backward(q, w, k, indices, target, scores, lse, den,
-                              row_mask if row_mask is not None else lse.new_ones(0))
+        kl, _, _ = kl_rows(target, scores, indices, row_mask, grad_out=scores)  # scores now hold G
+        ctx.save_for_backward(q, w, k, indices, scores, row_mask if row_mask is not None else kl.new_ones(0))
         ctx.relu, ctx.deterministic, ctx.has_mask = relu, deterministic, row_mask is not None
+        ctx.used = False
         return kl
 
     @staticmethod
     def backward(ctx, g_rows):
         from ..hytopk.selected_scores import _triton_bwd  # noqa: PLC0415
 
-        q, w, k, indices, target, scores, lse, den, row_mask = ctx.saved_tensors
+        if ctx.used:  # G is scaled in place below
+            raise RuntimeError("sparse_kl: backward through the same graph twice (retain_graph) is not supported")
+        ctx.used = True
+        q, w, k, indices, grad, row_mask = ctx.saved_tensors
         coef = g_rows.float() * (row_mask.float() if ctx.has_mask else 1.0)  # d loss / d kl_unmasked[t]
-        dq, dw, dk = _triton_bwd(q, w, k, indices, None, ctx.relu, ctx.deterministic,
-                                 kl=(scores, target, lse, den, coef.contiguous()))
+        grad.mul_(coef.reshape(-1, 1))  # d loss / d scores, in place: no second [T, topk] fp32 buffer
+        dq, dw, dk = _triton_bwd(q, w, k, indices, grad, ctx.relu, ctx.deterministic)
         return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None, None, None, None
 
 
