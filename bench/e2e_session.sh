@@ -32,6 +32,9 @@ case " $STEPS " in *" parity "*) cmp "parity_$PS" "${PARITY_TIMEOUT:-480}" --ite
 # LONGEST_KINDS / LONGEST_SEQS / LONGEST_RUN_S split it over calls (stock's selection takes minutes at 512K+)
 case " $STEPS " in *" longest "*)
   echo "== longest ($(date +%T))"
+  # both kinds alike: at 512K the caching allocator reserved 113 GB for a 96 GB allocated peak;
+  # expandable segments cut that fragmentation (LONGEST_ALLOC_CONF= to run without)
+  export PYTORCH_CUDA_ALLOC_CONF=${LONGEST_ALLOC_CONF-expandable_segments:True}
   timeout "${LONGEST_TIMEOUT:-540}" python3 -m hyscale_megatron.longest --out "$OUT/longest" --iters "${LONGEST_ITERS:-2}" \
     --seq-lengths "${LONGEST_SEQS:-32768,131072,524288,1048576}" --kinds "${LONGEST_KINDS:-stock,hyscale}" \
     --run-timeout-s "${LONGEST_RUN_S:-240}" --hyscale-args=--hyscale-replay-offload > "$OUT/longest.console.txt" 2>&1
