@@ -48,6 +48,13 @@ class HyScaleConfig:
         default=False,
         metadata={"doc": "Deterministic gradient reductions in the sparse kernels (slower)."},
     )
+    mla_up_proj_recompute: bool = field(
+        default=True,
+        metadata={"doc": "Under full recompute, also discard the absorbed-MLA up-projection outputs (absorbed "
+                          "query, latent key) inside the recomputed layer and rebuild them when the attention "
+                          "backward starts (Megatron's mla_up_proj mechanism, which stock gates to selective "
+                          "recompute): ~25 KB/token less at the layer's backward peak for two small GEMMs."},
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -60,7 +67,7 @@ class HyScaleConfig:
                     f"HyScaleConfig.{name}={val!r} is invalid; choose one of {', '.join(_IMPLS)} "
                     f"(flag --hyscale-{name.replace('_', '-')}, env HYSCALE_{name.upper()})."
                 )
-        for name in ("enabled", "replay", "replay_offload", "replay_compact", "deterministic"):
+        for name in ("enabled", "replay", "replay_offload", "replay_compact", "deterministic", "mla_up_proj_recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise HyScaleConfigError(f"HyScaleConfig.{name} must be a bool, got {getattr(self, name)!r}.")
         if self.replay_offload and not self.replay:

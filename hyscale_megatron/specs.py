@@ -2,8 +2,10 @@
 
 Stock builds DSA layers only with Transformer Engine. We reuse stock's spec builders with a
 backend provider of our own when TE is absent (``LocalDSASpecProvider``), then swap stock's
-``DSAttention`` core for :class:`HyScaleDSAttention` anywhere in the spec tree. Parameters and
-state-dict keys do not change: the swap touches only the core-attention class.
+``DSAttention`` core for :class:`HyScaleDSAttention` anywhere in the spec tree, and the absorbed-MLA
+attention around it for :class:`~hyscale_megatron.mla_up.HyScaleAbsorbedMLA` (the same module with
+the up-projection recompute available under full recompute). Parameters and state-dict keys do not
+change: the swap touches only those two classes.
 
 For Megatron's ``--spec`` flag (``GPTModelBuilder`` takes a callable ``spec(config, vp_stage)``):
 
@@ -19,6 +21,7 @@ from typing import Optional
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt import experimental_attention_variant_module_specs as stock_specs
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -26,6 +29,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from .config import HyScaleConfig, HyScaleConfigError
 from .dsa import HyScaleDSAttention
+from .mla_up import HyScaleAbsorbedMLA
 
 REQUIRED_DSA_FIELDS = ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
 
@@ -85,7 +89,8 @@ def _fix_local_down_projections(spec: ModuleSpec) -> ModuleSpec:
 
 
 def swap_dsa_core(spec, hyscale: HyScaleConfig, _memo=None):
-    """Return a copy of ``spec`` where every stock ``DSAttention`` core is HyScale's."""
+    """Return a copy of ``spec`` where every stock ``DSAttention`` core is HyScale's (and every stock
+    ``AbsorbedMLASelfAttention`` is :class:`HyScaleAbsorbedMLA`)."""
     _memo = {} if _memo is None else _memo
     if id(spec) in _memo:
         return _memo[id(spec)]
@@ -93,8 +98,11 @@ def swap_dsa_core(spec, hyscale: HyScaleConfig, _memo=None):
     if isinstance(spec, ModuleSpec):
         if spec.module is DSAttention:
             out = dataclasses.replace(spec, module=HyScaleDSAttention, params={**spec.params, "hyscale": hyscale})
-        elif spec.submodules is not None:
-            out = dataclasses.replace(spec, submodules=swap_dsa_core(spec.submodules, hyscale, _memo))
+        else:
+            if spec.module is AbsorbedMLASelfAttention:
+                out = dataclasses.replace(spec, module=HyScaleAbsorbedMLA, params={**spec.params, "hyscale": hyscale})
+            if spec.submodules is not None:
+                out = dataclasses.replace(out, submodules=swap_dsa_core(spec.submodules, hyscale, _memo))
     elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         changes = {}
         for f in dataclasses.fields(spec):
