@@ -460,6 +460,33 @@ def install_replay_offload_booking():
     _set(store_cls, "read", read)
 
 
+def install_discard_booking():
+    """Megatron's ``CheckpointWithoutOutput`` (the MLA up-projection recompute) frees its outputs with
+    ``untyped_storage().resize_(0)`` -- no op the dispatch mode sees -- and later points the same
+    StorageImpl at the recomputed data. Book the discard as a free; from the recompute on, the
+    recomputed outputs' own allocations carry the bytes."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cls = mrandom.CheckpointWithoutOutput
+    orig = cls.discard_output_and_register_recompute
+
+    def discard(self, hook_tensor):
+        outs = [o for o in (self.outputs or ()) if isinstance(o, torch.Tensor)]
+        ptrs = [o.untyped_storage().data_ptr() for o in outs]
+        orig(self, hook_tensor)
+        if LEDGER is None:
+            return
+        for o, ptr in zip(outs, ptrs):
+            if o.untyped_storage().nbytes() == 0:
+                a = LEDGER.live.pop(ptr, None)
+                if a is not None:
+                    LEDGER.cur[a.cat] -= a.nbytes
+                    a.freed_t, a.freed_phase = LEDGER.t, "discarded (CheckpointWithoutOutput)"
+        LEDGER.tick("discard_output")
+
+    _set(cls, "discard_output_and_register_recompute", discard)
+
+
 # ----------------------------------------------------------------------------- components
 def component(a: Alloc) -> str:
     """Coarse bucket of a live storage, from its shape/dtype/op and where it was made."""
@@ -509,9 +536,16 @@ def build_argv(opts) -> list[str]:
 
 
 def run(opts) -> dict:
+    from hyscale_megatron import indexer_recompute
+
+    enabled, chunk = indexer_recompute.ENABLED, indexer_recompute.RECOMPUTE_CHUNK_BYTES
+    indexer_recompute.ENABLED = not getattr(opts, "no_indexer_q_recompute", False)
+    # the q recompute's RoPE chunks are a fixed size (a 1/256 of q at 1M tokens): book them at that fraction
+    indexer_recompute.RECOMPUTE_CHUNK_BYTES = max(1, chunk * opts.seq_length // (1 << 20))
     try:
         return _run(opts)
     finally:
+        indexer_recompute.ENABLED, indexer_recompute.RECOMPUTE_CHUNK_BYTES = enabled, chunk
         restore_patches()
 
 
@@ -525,6 +559,7 @@ def _run(opts) -> dict:
             install_kernel_standins()
     if opts.kind == "hyscale":
         install_replay_offload_booking()
+    install_discard_booking()
     args = train.parse_train_args(build_argv(opts))
     VOCAB[0] = args.padded_vocab_size if getattr(args, "padded_vocab_size", None) else args.vocab_size
     from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -630,6 +665,9 @@ def parse_args(argv=None):
     p.add_argument("--kernels", choices=("emulate", "reference"), default="emulate",
                    help="GPU-faithful stand-ins of HyScale's Triton kernels and of CUDA's fused RMSNorm (default), "
                         "or the CPU code paths as they are.")
+    p.add_argument("--no-indexer-q-recompute", action="store_true",
+                   help="Keep the indexer q for the sparse loss backward (hyscale_megatron.indexer_recompute.ENABLED "
+                        "= False) instead of recomputing it there.")
     p.add_argument("--extra", default="", help="Extra Megatron/HyScale flags (one shell-quoted string).")
     p.add_argument("--top", type=int, default=25, help="How many of the largest live storages to list.")
     p.add_argument("--threads", type=int, default=None)

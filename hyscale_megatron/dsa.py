@@ -20,7 +20,7 @@ from megatron.core.transformer.experimental_attention_variant import dsa_masking
 
 from hyscale_patches import checkpoint_hooks, dsa_dispatch
 
-from . import replay, selection
+from . import indexer_recompute, replay, selection
 from ._log import log_once
 from .config import HyScaleConfig
 
@@ -53,6 +53,7 @@ class _Compute:
         self.fp = fp
         self.query, self.key = query, key  # the forward's own attention inputs (with grad)
         self._attn = None  # (indices, latent outputs per batch, lse per batch) computed early for the loss
+        self.q_recipe = None  # set by indexer_recompute while the indexer runs (sparse loss recomputes q)
 
     def _kernels(self, impl: str, t: torch.Tensor) -> bool:
         return impl == "triton" or (impl == "auto" and t.is_cuda)
@@ -159,9 +160,14 @@ class _Compute:
             if sparse_loss and kernels:
                 from hyscale_kernels.indexer_loss.fused import sparse_indexer_loss  # noqa: PLC0415
 
-                kl = sparse_indexer_loss(q[:, bi], weights[:, bi], k[:, bi], query[:, bi], kv, idx[bi],
-                                         softmax_scale, lse=lse, v_dim=int(self.layer.config.kv_lora_rank),
-                                         deterministic=self.cfg.deterministic, **common)
+                # q is not kept for the backward: saved as a recipe, recomputed there (indexer_recompute)
+                with indexer_recompute.hooks_for(self.q_recipe, q):
+                    qb = q[:, bi]
+                    if self.q_recipe is not None and b > 1:  # the kernel's contiguous copy, recomputed alike
+                        qb = self.q_recipe.derive(qb.contiguous(), lambda full, bi=bi: full[:, bi].contiguous())
+                    kl = sparse_indexer_loss(qb, weights[:, bi], k[:, bi], query[:, bi], kv, idx[bi],
+                                             softmax_scale, lse=lse, v_dim=int(self.layer.config.kv_lora_rank),
+                                             deterministic=self.cfg.deterministic, **common)
             elif sparse_loss:
                 kl = loss_ref.sparse_indexer_loss_reference(
                     q[:, bi], weights[:, bi], k[:, bi], query[:, bi].detach(), kv, idx[bi], softmax_scale,
@@ -300,6 +306,7 @@ class HyScaleDSAttention(stock_dsa.DSAttention):
                 == self.layer_number)
         dsa_dispatch.apply()
         checkpoint_hooks.apply()
+        indexer_recompute.install(self.indexer)
 
     def _microbatch(self):
         """(microbatch key, is_recompute, will_recompute) of the current forward."""
@@ -326,7 +333,7 @@ class HyScaleDSAttention(stock_dsa.DSAttention):
         if self.skip_topk:
             self._load_shared_topk(bound, mb, recompute, will_recompute)
         compute = _Compute(self, mb, recompute, will_recompute, fp, query=bound["query"], key=bound["key"])
-        with dsa_dispatch.active_override(compute):
+        with dsa_dispatch.active_override(compute), indexer_recompute.capturing(compute):
             return super().forward(*args, **kwargs)
 
     def _load_shared_topk(self, bound, mb, recompute, will_recompute):
