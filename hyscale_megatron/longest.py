@@ -325,7 +325,7 @@ def read_csv(path: Path) -> list[dict]:
     return rows
 
 
-def merge(dirs: Sequence[str], out: Path) -> tuple[list[dict], list[int], dict, int]:
+def merge(dirs: Sequence[str]) -> tuple[list[dict], list[int], dict, int]:
     """Rows of several sweeps (one row per (kind, length); a later directory wins), their meta and iters."""
     by, meta = {}, None
     for d in dirs:
@@ -412,7 +412,7 @@ def main(argv: Optional[Sequence[str]] = None, runner: Runner = default_runner) 
         return 2
     if opts.merge:
         try:
-            rows, lengths, meta, iters = merge([d for d in opts.merge.split(",") if d], Path(opts.out))
+            rows, lengths, meta, iters = merge([d for d in opts.merge.split(",") if d])
         except LongestRefused as exc:
             print(f"{PROG}: {exc}", file=sys.stderr)
             return 2

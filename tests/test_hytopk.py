@@ -9,9 +9,6 @@ GPU (``-m gpu``): real shapes in bf16.
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +21,7 @@ from hyscale_kernels.hytopk.reference import (
     index_scores_reference,
     packed_causal_bounds,
 )
+from interp_rerun import rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 INTERP = interpreter_active()
@@ -156,14 +154,8 @@ def test_block_rows_config(search_bits):
 
 
 def test_interpreter_in_subprocess():
-    """When this process imported the kernel without the interpreter, run the tests above there."""
-    if INTERP or HAS_CUDA:
-        pytest.skip("interpreter tests ran in-process (or CUDA present)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                        "-k", "not subprocess and not gpu"], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    """Triton imported here without the interpreter: run this file's kernel tests in a fresh process."""
+    rerun_under_interpreter(__file__)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,10 +12,6 @@ min(pow2(warm_start), CAP) sample keys) is used for rows with more than 64 visib
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -23,6 +19,7 @@ from hyscale_kernels.hytopk import hytopk, interpreter_active
 from hyscale_kernels.hytopk import op
 from hyscale_kernels.hytopk.op import Config
 from hyscale_kernels.hytopk.reference import causal_bounds, hytopk_reference, packed_causal_bounds
+from interp_rerun import rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 INTERP = interpreter_active()
@@ -190,14 +187,8 @@ def test_sample_size_rounding_and_small_rows_off():
 
 
 def test_interpreter_in_subprocess():
-    """When this process imported the kernel without the interpreter, run the tests above there."""
-    if INTERP or HAS_CUDA:
-        pytest.skip("interpreter tests ran in-process (or CUDA present)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                        "-k", "not subprocess and not gpu"], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    """Triton imported here without the interpreter: run this file's kernel tests in a fresh process."""
+    rerun_under_interpreter(__file__)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 from hyscale_kernels.hytopk.reference import selected_scores_reference
 from hyscale_kernels.hytopk import selected_scores as ss_mod
 from hyscale_kernels.hytopk.selected_scores import selected_scores
+from interp_rerun import rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -344,14 +345,6 @@ def test_gpu_bf16(relu):
         _check_bounds(_run(selected_scores, q, w, k, idx, g, relu=relu, deterministic=det), tru, bd)
 
 
-@pytest.mark.skipif(HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="the Triton tests above already ran in this process")
 def test_interpreter_in_subprocess():
-    """Triton was imported here without the interpreter: run the kernel tests in a fresh process."""
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                        "-k", "not subprocess and not gpu"], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    """Triton imported here without the interpreter: run this file's kernel tests in a fresh process."""
+    rerun_under_interpreter(__file__)

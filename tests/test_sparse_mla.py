@@ -78,6 +78,7 @@ import os  # noqa: E402
 
 from hyscale_kernels.sparse_mla import sparse_mla  # noqa: E402
 from hyscale_kernels.sparse_mla import kernel as sm_kernels  # noqa: E402
+from interp_rerun import rerun_under_interpreter  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(not (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -208,17 +209,9 @@ def test_gpu_deterministic_kv_grad():
     torch.testing.assert_close(a[3].float(), c[3].float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.skipif(HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="the Triton tests above already ran in this process")
 def test_interpreter_in_subprocess():
-    """Triton was imported here without the interpreter: run the kernel tests in a fresh process."""
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                        "-k", "not subprocess and not gpu"], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    """Triton imported here without the interpreter: run this file's kernel tests in a fresh process."""
+    rerun_under_interpreter(__file__)
 
 
 @needs_triton
