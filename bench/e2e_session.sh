@@ -37,7 +37,7 @@ case " $STEPS " in *" longest "*)
   export PYTORCH_CUDA_ALLOC_CONF=${LONGEST_ALLOC_CONF-expandable_segments:True}
   timeout "${LONGEST_TIMEOUT:-540}" python3 -m hyscale_megatron.longest --out "$OUT/longest" --iters "${LONGEST_ITERS:-2}" \
     --seq-lengths "${LONGEST_SEQS:-32768,131072,524288,1048576}" --kinds "${LONGEST_KINDS:-stock,hyscale}" \
-    --run-timeout-s "${LONGEST_RUN_S:-240}" --hyscale-args=--hyscale-replay-offload > "$OUT/longest.console.txt" 2>&1
+    --run-timeout-s "${LONGEST_RUN_S:-240}" > "$OUT/longest.console.txt" 2>&1
   echo "longest rc=$?"; cat "$OUT/longest/longest.md" 2>/dev/null || grep -v -i warn "$OUT/longest.console.txt" | tail -20
   ;; esac
 # keep the file count under the device tool's 8: logs go into one archive

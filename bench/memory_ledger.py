@@ -360,9 +360,9 @@ def install_kernel_standins():
             del valid, tn, s, l, ls, term, r, tsum
         return kl_, lse, den
 
-    def _triton_bwd(q, w, k, idx, g, relu, deterministic, block_j=32, buf_elems=1 << 26, kl=None):
+    def _triton_bwd(q, w, k, idx, g, relu, deterministic, block_j=32, buf_elems=1 << 26, kl=None, dq_over_q=False):
         T, H, D = q.shape
-        dq = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+        dq = torch.empty(T, H, D, dtype=q.dtype, device=q.device) if not dq_over_q else None
         dw = torch.empty(T, H, dtype=w.dtype if w.dtype.is_floating_point else torch.float32, device=q.device)
         dk = torch.zeros(k.shape[0], D, dtype=torch.float32, device=q.device)
         with _ref(), torch.no_grad():
@@ -374,7 +374,11 @@ def install_kernel_standins():
                 g = (coef[:, None] * (p * tn.sum(-1, keepdim=True) - tn)).masked_fill(~valid, 0.0)
                 del p, tn, valid
             a, b, c = ss._torch_bwd(q, w, k, idx, g, relu)
-            dq.copy_(a)
+            if dq is None:  # written over the recomputed q, as the kernel does
+                q.copy_(a)
+                dq = q
+            else:
+                dq.copy_(a)
             dw.copy_(b)
             dk.copy_(c)
             del a, b, c, g
@@ -446,12 +450,19 @@ def install_replay_offload_booking():
                 e.data = e.data.clone()
             host_keys.add(key)
 
-    def read(self, key, fp, shape=None):
-        out = orig_read(self, key, fp, shape)
+    prefetched = {}  # key -> the device copy a GPU prefetch made (alive until that key's read)
+
+    def read(self, key, fp, shape=None, prefetch_next=True):
+        out = orig_read(self, key, fp, shape, prefetch_next=prefetch_next)
         if key in host_keys and LEDGER is not None:
             a = LEDGER.live.get(out.untyped_storage().data_ptr())
             if a is not None and a.cat == "host":
-                out = out.clone()  # the device copy the GPU read makes
+                # the device copy the GPU read makes (or made ahead, as the previous read's prefetch)
+                pre = prefetched.pop(key, None)
+                out = pre if pre is not None else out.clone()
+            nxt = (key[0] - 1, key[1])
+            if prefetch_next and nxt in host_keys and nxt in self._entries and nxt not in prefetched:
+                prefetched[nxt] = self._entries[nxt].data.clone()  # GPU: copied back on a side stream now
             if key not in self._entries:
                 host_keys.discard(key)
         return out

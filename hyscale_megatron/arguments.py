@@ -22,7 +22,8 @@ def add_hyscale_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help=docs["topk_impl"] + f" Default {defaults.topk_impl}.")
     group.add_argument("--hyscale-attn-impl", choices=("auto", "triton", "reference"), default=None,
                        help=docs["attn_impl"] + f" Default {defaults.attn_impl}.")
-    for name in ("replay", "replay_offload", "replay_compact", "deterministic", "mla_up_proj_recompute"):
+    for name in ("replay", "replay_offload", "replay_prefetch", "replay_compact", "deterministic",
+                 "mla_up_proj_recompute"):
         flag = name.replace("_", "-")
         group.add_argument(f"--hyscale-{flag}", dest=f"hyscale_{name}", action="store_true", default=None,
                            help=docs[name] + f" Default {getattr(defaults, name)}.")

@@ -40,6 +40,13 @@ class HyScaleConfig:
         default=False,
         metadata={"doc": "Keep replayed indices in pinned host memory between forward and recompute."},
     )
+    replay_prefetch: bool = field(
+        default=True,
+        metadata={"doc": "With replay_offload: while a layer's recompute runs, copy the next layer's indices back on "
+                          "a side stream (hides the copy, holds one more [T, topk] entry on the GPU: 8 KiB/token "
+                          "at topk 2048). --no-hyscale-replay-prefetch copies each entry back when its recompute "
+                          "reads it (the 1M-token setting)."},
+    )
     replay_compact: bool = field(
         default=True,
         metadata={"doc": "Store replayed indices as int16 when every key position fits (S <= 32768), else int32."},
@@ -67,7 +74,8 @@ class HyScaleConfig:
                     f"HyScaleConfig.{name}={val!r} is invalid; choose one of {', '.join(_IMPLS)} "
                     f"(flag --hyscale-{name.replace('_', '-')}, env HYSCALE_{name.upper()})."
                 )
-        for name in ("enabled", "replay", "replay_offload", "replay_compact", "deterministic", "mla_up_proj_recompute"):
+        for name in ("enabled", "replay", "replay_offload", "replay_prefetch", "replay_compact", "deterministic",
+                     "mla_up_proj_recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise HyScaleConfigError(f"HyScaleConfig.{name} must be a bool, got {getattr(self, name)!r}.")
         if self.replay_offload and not self.replay:

@@ -80,7 +80,7 @@ class _Compute:
         key = (layer.layer_number, self.mb)
         shape = (q.shape[1], q.shape[0], min(int(index_topk), k.shape[0]))
         if self.recompute and self.cfg.replay:
-            return store.read(key, fp=self.fp, shape=shape)
+            return store.read(key, fp=self.fp, shape=shape, prefetch_next=self.cfg.replay_prefetch)
         idx = self._select(q, k, w, index_topk, mask, varlen_starts, varlen_ends, key_positions, use_relu)
         if not self.recompute:
             pending = (1 if (self.will_recompute and self.cfg.replay) else 0) + layer.n_index_share_readers

@@ -77,6 +77,7 @@ class QRecipe:
         self.derived = {}  # storage ptr -> (fn(full q) -> tensor, meta, weakref) for copies of q (b > 1 slices)
         self._q = None
         self.recomputes = 0
+        self.outstanding = 0  # packed saves of q not unpacked yet: the cache is dropped at the last one
 
     def full(self) -> torch.Tensor:
         """q, recomputed once (cached for the views saved from it).
@@ -133,10 +134,12 @@ class QRecipe:
             return t
         ptr = t.untyped_storage().data_ptr()
         if ptr == self.ptr:  # q itself: alive while the loss (and so this hook) runs
+            self.outstanding += 1
             return _Packed(self, None, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
         entry = self.derived.get(ptr)
         if entry is None or entry[2].expired():
             return t
+        self.outstanding += 1
         return _Packed(self, entry[:2], t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
     @staticmethod
@@ -144,13 +147,27 @@ class QRecipe:
         if not isinstance(p, _Packed):
             return p
         rec = p.recipe
-        base = rec.full()
+        base = full = rec.full()
+        rec.outstanding -= 1
+        private = rec.outstanding <= 0  # nothing else will ask for this q: the caller's reference is the last
+        if private:
+            rec._q = None
         if p.derived is not None:
             fn, meta = p.derived
-            base = fn(base)
+            base = fn(full)  # a fresh copy (e.g. one sequence of a batch), made for this caller alone
             if (base.shape, base.stride(), base.storage_offset(), base.dtype) != meta:
                 raise RuntimeError("hyscale: recomputed derived indexer q has a different layout")
-        return base.as_strided(p.size, p.stride, p.offset)
+            private = base.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
+        out = base.as_strided(p.size, p.stride, p.offset)
+        whole = (out.is_contiguous() and base.is_contiguous() and out.numel() == base.numel()
+                 and p.offset == base.storage_offset())  # e.g. q[:, 0] of a batch-1 q: all of it
+        if private and whole:
+            # the whole recomputed buffer, referenced by nobody else: the consumer may overwrite it
+            # (the sparse KL backward writes dq over it: one q-sized buffer less at the step's peak)
+            from hyscale_kernels.indexer_loss.kl import mark_scratch  # noqa: PLC0415
+
+            mark_scratch(out)
+        return out
 
 
 class _Packed:

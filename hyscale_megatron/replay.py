@@ -125,8 +125,10 @@ class ReplayStore:
             entry.pending += n
 
     # --- reading --------------------------------------------------------------------------
-    def read(self, key: tuple[int, int], fp: Optional[torch.Tensor], shape: Optional[tuple] = None) -> torch.Tensor:
-        """Return the stored indices (in their original dtype); free the entry on its last read."""
+    def read(self, key: tuple[int, int], fp: Optional[torch.Tensor], shape: Optional[tuple] = None,
+             prefetch_next: bool = True) -> torch.Tensor:
+        """Return the stored indices (in their original dtype); free the entry on its last read.
+        ``prefetch_next``: an offloaded entry also starts copying the next layer's entry back."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -155,7 +157,8 @@ class ReplayStore:
                     torch.cuda.current_stream(entry.device).wait_event(entry.ready)
                 data = data.to(entry.device, non_blocking=True)
             # Backward recomputes layers in reverse order: bring the next one back now.
-            self.prefetch((key[0] - 1, key[1]))
+            if prefetch_next:
+                self.prefetch((key[0] - 1, key[1]))
         return data.to(entry.dtype)
 
     def prefetch(self, key: tuple[int, int]) -> bool:

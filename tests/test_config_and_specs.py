@@ -32,6 +32,9 @@ def test_config_from_env_and_flags():
     args = parser.parse_args(["--no-hyscale", "--hyscale-attn-impl", "reference", "--hyscale-replay-offload"])
     cfg = hyscale_config_from_args(args)
     assert cfg.enabled is False and cfg.attn_impl == "reference" and cfg.replay_offload is True
+    assert cfg.replay_prefetch is True  # the default
+    cfg = hyscale_config_from_args(parser.parse_args(["--hyscale-replay-offload", "--no-hyscale-replay-prefetch"]))
+    assert cfg.replay_offload is True and cfg.replay_prefetch is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--hyscale-topk-impl", "fast"])
     table = config_table_markdown()

@@ -178,7 +178,8 @@ def test_sample_size_rounding_and_small_rows_off():
     assert op._warm_geometry(64, 32, Config(warm_start=40)) == (64, 32)
     assert op._warm_geometry(64, 32, Config(warm_start=4096)) == (64, 32)
     assert op._warm_geometry(4096, 512, Config(warm_start=1000)) == (1024, 512)
-    assert op._warm_geometry(4096, 512, Config()) == (0, 1)
+    assert op._warm_geometry(4096, 512, Config()) == (512, 512)  # the default: 512 samples
+    assert op._warm_geometry(4096, 512, Config(warm_start=0)) == (0, 1)
     T, S, H = 7, 60, 2
     q, w, k = _inputs(T, S, H, seed=4)
     st, en = causal_bounds(T, S, offset=S - T)
@@ -196,8 +197,8 @@ def test_interpreter_in_subprocess():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("search_bits", [1, 2])
-def test_gpu_warm_start_matches_default(search_bits):
+@pytest.mark.parametrize("warm", [512, 1024])
+def test_gpu_warm_start_matches_default(warm):
     """Causal 8K, H 64, k 2048: identical to the warm_start=0 output; the fallback is rare."""
     T = S = 8192
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -205,9 +206,22 @@ def test_gpu_warm_start_matches_default(search_bits):
     k = torch.randn(S, 128, device="cuda", generator=g).bfloat16()
     w = (torch.randn(T, 64, device="cuda", generator=g) * 0.01).bfloat16()
     st, en = causal_bounds(T, S, device="cuda")
-    base = Config(search_bits=search_bits)
-    ref = hytopk(q, w, k, st, en, 2048, config=base)
-    got = hytopk(q, w, k, st, en, 2048, config=op.replace(base, warm_start=1024))
+    ref = hytopk(q, w, k, st, en, 2048, config=Config(warm_start=0))
+    got = hytopk(q, w, k, st, en, 2048, config=Config(warm_start=warm))
     stats = op.warm_stats()
     assert torch.equal(got, ref)
     assert stats["warm_rows"] > 0 and stats["fallback_rows"] <= stats["warm_rows"] // 100, stats
+
+
+def test_config_checks_name_the_field():
+    """search_bits=2 is refused on the GPU (wrong rows measured on the H200), allowed in the interpreter;
+    out-of-range values are refused everywhere."""
+    op.check_config(Config(search_bits=2), interpret=True)
+    op.check_config(Config(), interpret=False)
+    with pytest.raises(ValueError, match="search_bits=2 is disabled on the GPU"):
+        op.check_config(Config(search_bits=2), interpret=False)
+    with pytest.raises(ValueError, match="search_bits must be 1 or 2"):
+        op.check_config(Config(search_bits=3), interpret=True)
+    with pytest.raises(ValueError, match="warm_start must be >= 0"):
+        op.check_config(Config(warm_start=-1), interpret=True)
+    assert Config().warm_start == 512  # the measured default

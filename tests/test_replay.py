@@ -173,16 +173,36 @@ def test_tampered_recompute_inputs_raise():
     replay.get_store().clear(warn=False)
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_layer_passes_replay_prefetch_to_the_store(monkeypatch, prefetch):
+    """--[no-]hyscale-replay-prefetch reaches every replayed read of a full-recompute backward."""
+    seen = []
+    orig = replay.ReplayStore.read
+
+    def read(self, key, fp, shape=None, prefetch_next=True):
+        seen.append(prefetch_next)
+        return orig(self, key, fp, shape=shape, prefetch_next=prefetch_next)
+
+    monkeypatch.setattr(replay.ReplayStore, "read", read)
+    model = _build(True, **FULL)
+    for layer in model.decoder.layers:
+        attn = layer.self_attention.core_attention
+        attn.hyscale = attn.hyscale.replace(replay_prefetch=prefetch)
+    _fwd(model, _tokens(3)).backward()
+    assert seen == [prefetch] * len(model.decoder.layers), seen  # one entry per (layer, microbatch)
+
+
 @pytest.mark.gpu
-def test_offloaded_entries_round_trip_on_gpu():
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_offloaded_entries_round_trip_on_gpu(prefetch):
     store = replay.ReplayStore()
     idx = torch.randint(0, 70000, (1, 64, 32), device="cuda", dtype=torch.int32)
     fp = replay.fingerprint(idx.float())
     for layer in (1, 2):
         store.put((layer, 0), idx + layer, fp, pending=1, offload=True, sk=70000)
     assert store.current_bytes == 0 and store.host_bytes == 2 * idx.numel() * 4
-    out2 = store.read((2, 0), fp=fp)  # prefetches (1, 0)
-    assert store._entries[(1, 0)].prefetched is not None
+    out2 = store.read((2, 0), fp=fp, prefetch_next=prefetch)  # prefetches (1, 0) unless told not to
+    assert (store._entries[(1, 0)].prefetched is not None) == prefetch
     out1 = store.read((1, 0), fp=fp)
     assert torch.equal(out2, idx + 2) and torch.equal(out1, idx + 1) and out1.is_cuda
     assert len(store) == 0 and store.host_bytes == 0

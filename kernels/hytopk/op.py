@@ -39,11 +39,24 @@ class Config:
     cap_mult: int = 2  # candidate slots per row = cap_mult * topk (power of two, >= topk + 2*min free)
     min_free_tiles: int = 4  # compact a row block's buffers when fewer free slots than this many tiles
     sel_chunk: int = 2048  # R * CHUNK elements per step of the select
-    search_bits: int = 1  # radix-select bits per counting pass: 1 (measured) or 2 (unrolled, unmeasured)
+    # radix-select bits per counting pass: 1, or 2 (unrolled; interpreter only: on the H200 it picked
+    # a different k-th key in 12 of 12288 rows, see check_config)
+    search_bits: int = 1
     # sampled warm-start threshold: keys scored per row block before its key loop (rounded up to a
-    # power of two, at most CAP); 0 = off (the default until measured on the GPU). Exact: rows
-    # left with fewer than topk candidates are re-run from -inf (see warm_stats()).
-    warm_start: int = 0
+    # power of two, at most CAP); 0 = off. Exact: rows left with fewer than topk candidates are re-run
+    # from -inf (see warm_stats()). 512 measured on the H200: 1.28x faster at 64K (149 -> 117 ms,
+    # H_I 64, k 2048), output bit-identical to 0 (bench/NOTES_hytopk.md).
+    warm_start: int = 512
+
+
+def check_config(cfg: Config, interpret: bool) -> None:
+    """Refuse launch configs that are known to be wrong or meaningless, naming the field to change."""
+    check(cfg.search_bits in (1, 2), f"hytopk: Config.search_bits must be 1 or 2, got {cfg.search_bits}")
+    check(interpret or cfg.search_bits == 1,
+          "hytopk: Config.search_bits=2 is disabled on the GPU: on the H200 (Triton 3.6) it selected a different "
+          "top-k in 12 of 12288 rows (bench/topk.py --check-variants; correct under the interpreter). Use "
+          "search_bits=1 (the default).")
+    check(cfg.warm_start >= 0, f"hytopk: Config.warm_start must be >= 0 (0 = off), got {cfg.warm_start}")
 
 
 def _pow2_ceil(x: int) -> int:
@@ -97,6 +110,7 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     S = k.shape[0]
     interp = interpreter_active()
     cfg = config or default_config(H, topk, interp)
+    check_config(cfg, interp)
     R, cap, chunk, min_free, d_p2 = _geometry(H, D, topk, cfg)
     warm, chunk_w = _warm_geometry(cap, chunk, cfg) if select else (0, 1)
     n_blocks = triton_cdiv(T, R)

@@ -183,14 +183,19 @@ def _triton_fwd(q, w, k, idx, relu: bool, block_j: int = 64):
 
 
 def _triton_bwd(q, w, k, idx, g, relu: bool, deterministic: bool, block_j: int = 32,
-                buf_elems: int = 1 << 26, kl=None):
+                buf_elems: int = 1 << 26, kl=None, dq_over_q: bool = False):
     """``kl=(scores, target, lse, tsum, coef)``: take g from the fused KL (``indexer_loss.kl``) instead of
-    a stored gradient tensor (``g`` is then None)."""
+    a stored gradient tensor (``g`` is then None). ``dq_over_q``: write dq into q's own storage (the
+    caller owns q and no longer needs it: a recomputed q; saves a [T, H, D] buffer, 16 GiB at 1M x 64
+    x 128). Safe because each program loads its query row once, before the slot loop, and is the only
+    one to read or write that row."""
     T, H, D = q.shape
     S, K = k.shape[0], idx.shape[1]
     # Each row's dq/dw is written once by one program: store straight into the input dtypes
     # (an fp32 [T, H, D] buffer plus its cast would cost 1.5 GiB at 32K tokens, 64 x 128 heads).
-    dq = _alloc(T, H, D, dtype=q.dtype, device=q.device)
+    if dq_over_q and not q.is_contiguous():
+        raise ValueError(f"selected_scores: dq_over_q needs a contiguous q, got stride {q.stride()}")
+    dq = q if dq_over_q else _alloc(T, H, D, dtype=q.dtype, device=q.device)
     dw = _alloc(T, H, dtype=w.dtype if w.dtype.is_floating_point else torch.float32, device=q.device)
     dk = torch.zeros(S, D, dtype=torch.float32, device=q.device)
     if T == 0:
