@@ -269,7 +269,7 @@ def install_kernel_standins():
     # sparse MLA: _SparseMLA saves (q, kv, indices, out, lse); backward allocates dq, fp32 dkv, delta
     class _SparseMLAEmu(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, kv, indices, softmax_scale, v_dim, deterministic):
+        def forward(ctx, q, kv, indices, softmax_scale, v_dim, deterministic, dq_over_q=False):
             T, N, _ = q.shape
             out = torch.empty(T, N, v_dim, dtype=q.dtype, device=q.device)
             lse = torch.empty(T, N, dtype=torch.float32, device=q.device)
@@ -280,6 +280,8 @@ def install_kernel_standins():
                 del o, l
             ctx.save_for_backward(q, kv, indices, out, lse)
             ctx.softmax_scale, ctx.v_dim = softmax_scale, v_dim
+            # the launcher writes dq over q on its fused path (N <= FUSED_MAX_HEADS) when asked
+            ctx.over = bool(dq_over_q) and N <= smla_kernel.FUSED_MAX_HEADS
             return out, lse
 
         @staticmethod
@@ -287,7 +289,7 @@ def install_kernel_standins():
             q, kv, indices, out, lse = ctx.saved_tensors
             dout = torch.zeros_like(out) if dout is None else dout.contiguous()
             dout = dout.to(q.dtype).contiguous()
-            dq = torch.empty_like(q)
+            dq = q if ctx.over else torch.empty_like(q)
             dkv = torch.zeros(kv.shape[0], kv.shape[1], dtype=torch.float32, device=q.device)
             delta = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
             with _ref(), torch.enable_grad():
@@ -302,11 +304,12 @@ def install_kernel_standins():
                 dkv.copy_(gk)
                 del o, l, gq, gk, qq, kk, outs, grads
             del delta
-            return dq, dkv.to(kv.dtype), None, None, None, None
+            return dq, dkv.to(kv.dtype), None, None, None, None, None
 
-    def sparse_mla(q, kv, indices, softmax_scale, v_dim=512, deterministic=False, check_index_range=True):
+    def sparse_mla(q, kv, indices, softmax_scale, v_dim=512, deterministic=False, check_index_range=True,
+                   dq_over_q=False):
         return _SparseMLAEmu.apply(q.contiguous(), kv.contiguous(), indices.contiguous(), float(softmax_scale),
-                                   v_dim, deterministic)
+                                   v_dim, deterministic, dq_over_q)
 
     _set(smla_pkg, "sparse_mla", sparse_mla)
     _ = smla_kernel  # (the launcher's allocations are mirrored above)

@@ -24,6 +24,11 @@ from . import indexer_recompute, replay, selection
 from ._log import log_once
 from .config import HyScaleConfig
 
+# The sparse attention backward writes dq over the layer's query (kernels/sparse_mla: fused path, N <= 16
+# heads): exact (tests/test_dq_over_query.py: bit-identical gradients), one [T, N, 576] buffer less at
+# the step's peak. A module constant like indexer_recompute.ENABLED, for A/B runs.
+DQ_OVER_QUERY = True
+
 
 def _tp_group(pg_collection):
     tp = getattr(pg_collection, "tp", None)
@@ -241,8 +246,11 @@ class _Compute:
                 sparse_mla = None
             if sparse_mla is not None:
                 # indices come from our own selection (or its replay): valid by construction, so no
-                # per-call device sync for the range check
-                return sparse_mla(q, kv, idx, scale, v_dim=v_dim, check_index_range=False)
+                # per-call device sync for the range check. q is this layer's query, read by nothing
+                # after the attention backward (the loss target reads it in the forward): dq may be
+                # written over it (DQ_OVER_QUERY; 18 KiB/token less at the backward peak, N = 16)
+                return sparse_mla(q, kv, idx, scale, v_dim=v_dim, check_index_range=False,
+                                  dq_over_q=DQ_OVER_QUERY)
             if impl == "triton":
                 raise RuntimeError("attn_impl='triton' requested but hyscale_kernels.sparse_mla.sparse_mla is unavailable")
         from hyscale_kernels.sparse_mla.reference import sparse_mla_reference  # noqa: PLC0415

@@ -24,10 +24,11 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 class _SparseMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, v_dim, deterministic):
+    def forward(ctx, q, kv, indices, softmax_scale, v_dim, deterministic, dq_over_q):
         out, lse = sparse_mla_fwd(q, kv, indices, softmax_scale, v_dim)
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.softmax_scale, ctx.v_dim, ctx.deterministic = softmax_scale, v_dim, deterministic
+        ctx.dq_over_q = dq_over_q
         return out, lse
 
     @staticmethod
@@ -35,8 +36,8 @@ class _SparseMLA(torch.autograd.Function):
         q, kv, indices, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dq, dkv = sparse_mla_bwd(q, kv, indices, out, lse, dout, dlse, ctx.softmax_scale, ctx.v_dim,
-                                 deterministic=ctx.deterministic)
-        return dq, dkv.to(kv.dtype), None, None, None, None
+                                 deterministic=ctx.deterministic, dq_over_q=ctx.dq_over_q)
+        return dq, dkv.to(kv.dtype), None, None, None, None, None
 
 
 def _validate(q, kv, indices, softmax_scale, v_dim, check_index_range):
@@ -66,6 +67,7 @@ def sparse_mla(
     v_dim: int = 512,
     deterministic: bool = False,
     check_index_range: bool = True,
+    dq_over_q: bool = False,
 ):
     """Absorbed-MLA sparse attention over selected keys; differentiable in ``q`` and ``kv``.
 
@@ -82,6 +84,9 @@ def sparse_mla(
             bounded buffer) instead of fp32 atomics (default: atomics, faster).
         check_index_range: verify -1 <= indices < S (one device sync); disable in hot loops
             once the producer is trusted.
+        dq_over_q: the backward may write dq into q's storage (q's values are then lost): only for a
+            caller that reads q nowhere after this op's backward (the HyScale layer's own query). Saves
+            one [T, N, Dqk] buffer on the fused backward path (N <= 16 heads); ignored elsewhere.
     Returns:
         out: [T, N, v_dim] in q's dtype (fp32 accumulation); zeros for rows without a valid key.
         lse: [T, N] fp32 natural-log sum-exp of the scaled logits over the valid selected keys;
@@ -99,4 +104,4 @@ def sparse_mla(
             _log.info("hyscale_kernels: sparse_mla on CPU without TRITON_INTERPRET uses the PyTorch reference")
         return sparse_mla_reference(q, kv, indices, softmax_scale, v_dim=v_dim)
     return _SparseMLA.apply(q.contiguous(), kv.contiguous(), indices.contiguous(), softmax_scale, v_dim,
-                            deterministic)
+                            deterministic, bool(dq_over_q))

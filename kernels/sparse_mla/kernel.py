@@ -342,19 +342,30 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None,
 
 
 def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deterministic=False, split=None,
-                   dq_cfg=None, dkv_cfg=None, fused_cfg=None, buf_elems=1 << 27):
+                   dq_cfg=None, dkv_cfg=None, fused_cfg=None, buf_elems=1 << 27, dq_over_q=False):
     """Gradients (dq [T, N, Dqk] in q's dtype, dkv fp32 [S, Dqk]) from the saved out / lse.
 
     ``split=True``: dq kernel + per-token dkv kernel (see the module docstring); ``split=False``: the
     fused kernel; ``None`` (default): fused for N <= FUSED_MAX_HEADS, split above (H200 profile).
     ``*_cfg``: dicts of block_h / block_k / num_warps / num_stages overriding the defaults.
     ``bench/check_sparse_mla.py --resources`` reports smem / spills per config offline.
+    ``dq_over_q``: the caller no longer needs q: the fused path writes dq into q's storage (each program
+    loads its (token, head block) rows of q once, before its key loop, and is the only one to touch
+    them), one [T, N, Dqk] buffer less; the split path still allocates dq (its dkv kernel reads q after
+    the dq kernel).
     """
     T, N, DQK = q.shape
     S = kv.shape[0]
     K = idx.shape[1]
+    if split is None:
+        split = N > FUSED_MAX_HEADS
     dout = dout.to(q.dtype).contiguous()  # the kernel's dots need one operand dtype
-    dq = _alloc(*q.shape, dtype=q.dtype, device=q.device)
+    if dq_over_q and not split:
+        if not q.is_contiguous():
+            raise ValueError(f"sparse_mla_bwd: dq_over_q needs a contiguous q, got stride {q.stride()}")
+        dq = q
+    else:
+        dq = _alloc(*q.shape, dtype=q.dtype, device=q.device)
     dkv = torch.zeros(S, DQK, dtype=torch.float32, device=q.device)
     if T == 0:
         return dq, dkv
@@ -362,8 +373,6 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     interp = _interp(q)
     args = (softmax_scale, softmax_scale * LOG2E)
     delta = torch.empty(T, N, dtype=torch.float32, device=q.device)
-    if split is None:
-        split = N > FUSED_MAX_HEADS
     if not split:
         return _bwd_fused(q, kv, idx, out, lse, dout, dlse, delta, dq, dkv, args, meta, deterministic,
                           dict(BWD_FUSED_CFG, **(fused_cfg or {})), interp, buf_elems)
