@@ -25,9 +25,15 @@ case " $STEPS " in *" tiny "*) cmp tiny_gpu "${TINY_TIMEOUT:-100}" --iters 5 --s
 case " $STEPS " in *" v32 "*) cmp v32_64k "${CMP_TIMEOUT:-330}" --iters "${ITERS:-8}" @configs/deepseek_v32_1gpu.args;; esac
 PS=${PARITY_SEQ:-4096}
 # parity: a third run (stock with its default PyTorch path, --noise-ref) measures the bf16 noise floor;
-# HyScale must not diverge from stock more than 1.5x that reference does (windowed loss means)
-case " $STEPS " in *" parity "*) cmp "parity_$PS" "${PARITY_TIMEOUT:-480}" --iters 100 @configs/deepseek_v32_1gpu.args \
-  --seq-length "$PS" --max-position-embeddings "$PS" --noise-ref "${PARITY_NOISE_REF:-none}";; esac
+# HyScale must not diverge from stock more than 1.5x that reference does (windowed loss means).
+# All three take ~9.5 min at 4K: split them with PARITY_RUNS (hyscale-compare --runs), seeding the
+# output directory with the earlier call's files from PARITY_FROM (e.g. bench/results/e2e/parity_4096):
+#   PARITY_RUNS=stock_ref PARITY_FROM=bench/results/e2e/parity_4096 STEPS=parity bash bench/e2e_session.sh
+case " $STEPS " in *" parity "*)
+  if [ -n "${PARITY_FROM:-}" ]; then mkdir -p "$OUT/parity_$PS" && cp "$PARITY_FROM"/{meta.json,*.jsonl} "$OUT/parity_$PS/"; fi
+  cmp "parity_$PS" "${PARITY_TIMEOUT:-480}" --iters 100 @configs/deepseek_v32_1gpu.args \
+    --seq-length "$PS" --max-position-embeddings "$PS" --noise-ref "${PARITY_NOISE_REF:-none}" \
+    ${PARITY_RUNS:+--runs "$PARITY_RUNS"};; esac
 # longest: hyscale-longest on its default config (16 heads = one TP-8 shard, 2 layers), replay offloaded;
 # LONGEST_KINDS / LONGEST_SEQS / LONGEST_RUN_S split it over calls (stock's selection takes minutes at 512K+)
 case " $STEPS " in *" longest "*)

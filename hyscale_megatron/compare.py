@@ -143,6 +143,11 @@ def _parser() -> argparse.ArgumentParser:
                         "SLACK x the reference run's (default %g)." % DEFAULT_NOISE_SLACK)
     p.add_argument("--require-parity", action="store_true",
                    help="Fail (exit 3) when HyScale is not within bf16 noise; needs --noise-ref.")
+    p.add_argument("--runs", default=None, metavar="LIST",
+                   help="Train only these runs now (comma-separated of stock, hyscale and, with --noise-ref, "
+                        "stock_ref; default: all), then summarize from every run's metrics file in --out when "
+                        "all are there: splits one comparison over several sessions (e.g. a slow noise "
+                        "reference in its own device call).")
     p.add_argument("--summarize-only", action="store_true",
                    help="Do not train: rebuild iterations.csv, summary.md/json and comparison.png from "
                         "OUT/stock.jsonl, OUT/hyscale.jsonl and OUT/meta.json (e.g. after a run was cut short).")
@@ -693,10 +698,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     backend = stock_backend(opts.stock_backend)
     cmds = run_commands(opts, rest, out)  # keep @files in the command lines: shorter, and they are expanded there
     meta = _meta(opts, rest, backend)
+    if opts.runs is not None and (out / "meta.json").is_file():  # continuing a split comparison
+        try:
+            old = json.loads((out / "meta.json").read_text())
+        except ValueError:
+            old = {}
+        diff = [k for k in ("argv", "stock_backend", "noise_ref", "config") if old.get(k) != meta.get(k)]
+        if diff:
+            print(f"hyscale-compare: --runs: {out}/meta.json is from a comparison with other settings "
+                  f"({', '.join(f'{k}: {old.get(k)!r} vs {meta.get(k)!r}' for k in diff)}); use a fresh --out or "
+                  "the same flags.", file=sys.stderr)
+            return 2
+        meta = {**old, **meta}  # keep notes added to it by hand (commit, how it was run)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))  # first: a cut-short comparison keeps it
     walls = {}
     t0 = time.perf_counter()
     runs = [run for run in ALL_RUNS if run in cmds]  # stock, hyscale[, stock_ref]
+    if opts.runs is not None:
+        chosen = [r.strip() for r in opts.runs.split(",") if r.strip()]
+        bad = [r for r in chosen if r not in runs]
+        if not chosen or bad:
+            print(f"hyscale-compare: --runs {opts.runs!r}: choose from {', '.join(runs)}"
+                  + (" (stock_ref needs --noise-ref BACKEND)" if REF_RUN in bad else ""), file=sys.stderr)
+            return 2
+        for run in (r for r in runs if r in chosen):
+            walls[run] = run_one(run, cmds[run], out)
+        missing = [r for r in runs if not (out / f"{r}.jsonl").is_file()]
+        if missing:
+            print(f"[hyscale-compare] ran {', '.join(r for r in runs if r in chosen)}; {', '.join(missing)} still "
+                  f"to run (--runs {','.join(missing)} with the same flags and --out), then the summary is "
+                  "written", flush=True)
+            return 0
+        return summarize_only(opts, rest)
     for run in runs:
         walls[run] = run_one(run, cmds[run], out)
     records = {run: read_metrics(out / f"{run}.jsonl") for run in runs}

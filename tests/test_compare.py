@@ -408,3 +408,35 @@ def test_summarize_only_stock_ref_meta_cases(tmp_path, capsys):
     for extra in (["--require-parity"], ["--noise-ref", "none"]):
         assert compare.main(["--out", str(out), "--summarize-only", *extra]) == 2
         assert "stock_ref.jsonl" in capsys.readouterr().err
+
+
+def test_runs_split_over_calls(tmp_path, monkeypatch, capsys):
+    """--runs trains a subset now and summarizes once every run's metrics file is in --out (the slow
+    noise reference in its own device call); other flags in a reused --out, or unknown runs, are refused."""
+    out = tmp_path / "out"
+    recs = _noise_records()
+    seen = []
+
+    def fake_run_one(name, cmd, out_dir):
+        seen.append(name)
+        (out_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs[name]))
+        return 2.0
+
+    monkeypatch.setattr(compare, "run_one", fake_run_one)
+    base = ["--out", str(out), TINY, "--iters", "20", "--stock-backend", "tilelang", "--noise-ref", "none"]
+    assert compare.main([*base, "--runs", "stock,hyscale"]) == 0
+    assert seen == ["stock", "hyscale"] and not (out / "summary.json").exists()
+    assert "stock_ref still to run" in capsys.readouterr().out
+    assert compare.main([*base, "--runs", "stock_ref"]) == 0
+    assert seen == ["stock", "hyscale", "stock_ref"]
+    s = json.loads((out / "summary.json").read_text())
+    assert set(s["runs"]) == {"stock", "hyscale", "stock_ref"} and "parity" in s
+    capsys.readouterr()
+    assert compare.main(["--out", str(out), TINY, "--iters", "30", "--stock-backend", "tilelang",
+                         "--noise-ref", "none", "--runs", "stock_ref"]) == 2
+    assert "other settings" in capsys.readouterr().err
+    assert compare.main([*base, "--runs", "stock,bogus"]) == 2
+    assert "choose from stock, hyscale, stock_ref" in capsys.readouterr().err
+    assert compare.main(["--out", str(tmp_path / "o2"), TINY, "--runs", "stock_ref"]) == 2
+    assert "stock_ref needs --noise-ref" in capsys.readouterr().err
+    assert seen == ["stock", "hyscale", "stock_ref"]  # nothing trained by the refused calls
