@@ -5,7 +5,7 @@
 #   2) the same model at PARITY_SEQ tokens for 100 iterations (LM + indexer loss curves) with a
 #      stock-vs-stock noise reference (--noise-ref);
 # STEPS picks them (default "v32 parity"; "tiny" adds the tiny config through pretrain first;
-# "longest" runs hyscale-longest).
+# "longest" runs hyscale-longest; "mem" traces one longest-config step's memory, bench/mem_peak.py).
 # Usage on the device (carry .whl-tl and .tlcache):  OUT=$OUT bash bench/e2e_session.sh
 # Back in $OUT: <run>/{iterations.csv,summary.md,comparison.png} per compare step, longest/longest.{csv,md},
 # and logs.tar.gz (logs, metrics files); the device tool returns 8 files: at most two compare steps per call.
@@ -45,6 +45,18 @@ case " $STEPS " in *" longest "*)
     --seq-lengths "${LONGEST_SEQS:-32768,131072,524288,1048576}" --kinds "${LONGEST_KINDS:-stock,hyscale}" \
     --run-timeout-s "${LONGEST_RUN_S:-240}" > "$OUT/longest.console.txt" 2>&1
   echo "longest rc=$?"; cat "$OUT/longest/longest.md" 2>/dev/null || grep -v -i warn "$OUT/longest.console.txt" | tail -20
+  ;; esac
+# mem: one HyScale step of the longest config under the allocator trace (bench/mem_peak.py): what is live
+# at the peak and the local peaks by call site, bytes/token (MEM_SEQ tokens, default 128K)
+case " $STEPS " in *" mem "*)
+  MS=${MEM_SEQ:-131072}
+  echo "== mem $MS ($(date +%T))"
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${MEM_TIMEOUT:-200}" python3 bench/mem_peak.py run \
+    --out "$OUT/mem_$MS" --tokens "$MS" -- @configs/deepseek_v32_longest.args --seq-length "$MS" \
+    --max-position-embeddings "$MS" --train-iters 1 --dsa-kernel-backend tilelang \
+    --spec hyscale_megatron.specs hyscale_block_spec --hyscale --hyscale-replay --hyscale-replay-offload \
+    --no-hyscale-replay-prefetch > "$OUT/mem.console.txt" 2>&1
+  echo "mem rc=$?"; head -75 "$OUT/mem_$MS/peak.txt" 2>/dev/null || grep -v -i warn "$OUT/mem.console.txt" | tail -20
   ;; esac
 # keep the file count under the device tool's 8: logs go into one archive
 (cd "$OUT" && tar czf logs.tar.gz --ignore-failed-read *.console.txt */*.log */*.jsonl */L* */summary.json 2>/dev/null;

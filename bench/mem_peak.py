@@ -43,10 +43,12 @@ def site_of(frames, depth: int = 2) -> str:
     return " < ".join(picked) if picked else "(no repo frame)"
 
 
-def replay(events):
+def replay(events, local: Optional[dict] = None):
     """Replay one device's trace: -> (peak_bytes, live blocks at the peak {addr: event}, index of the
     peak event, oom event or None). Blocks freed with ``free_requested`` count as freed (the
-    allocator's "allocated" counter drops there too)."""
+    allocator's "allocated" counter drops there too). ``local``: filled with {allocating site: the
+    highest total reached by one of its allocations}, the step's local peaks (which phase would peak
+    next once the global one is cut)."""
     live, total = {}, 0
     peak, peak_live, peak_i, oom = -1, {}, -1, None
     for i, e in enumerate(events):
@@ -54,6 +56,9 @@ def replay(events):
         if act == "alloc":
             live[e["addr"]] = e
             total += e["size"]
+            if local is not None:
+                site = site_of(e.get("frames"), 2)
+                local[site] = max(local.get(site, 0), total)
             if total > peak:
                 peak, peak_i = total, i
                 peak_live = dict(live)
@@ -83,7 +88,8 @@ def report(snapshot: dict, tokens: Optional[int], top: int = 30, depth: int = 2)
     if dev is None or not traces[dev]:
         return "no allocator trace in the snapshot (was _record_memory_history on before the run?)\n"
     events = traces[dev]
-    peak, live, peak_i, oom = replay(events)
+    local = {}
+    peak, live, peak_i, oom = replay(events, local)
     per_tok = (lambda b: f"{b / tokens:10.0f}") if tokens else (lambda b: "")
     gib = 2 ** 30
     lines = [f"device {dev}: {len(events)} trace events; tokens {tokens or '?'}",
@@ -97,6 +103,10 @@ def report(snapshot: dict, tokens: Optional[int], top: int = 30, depth: int = 2)
         return out
 
     lines += table("live at the peak, by call site:", live)
+    lines += ["", "local peaks: the highest total reached when each site allocates (the next phases to cut):",
+              f"{'bytes/token' if tokens else '':>10} {'GiB':>8}  allocating site"]
+    for site, b in sorted(local.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"{per_tok(b)} {b / gib:8.2f}  {site}")
     if oom is not None:
         lines += ["", f"OOM event: tried {oom.get('size', 0) / gib:.2f} GiB with {oom['live_total'] / gib:.2f} GiB "
                   f"allocated, at {site_of(oom.get('frames'), 4)}"]

@@ -28,13 +28,15 @@ def test_replay_finds_the_peak_live_set_and_the_oom():
         _ev("free_requested", 2, 300, b), _ev("alloc", 4, 50, b),
         {"action": "oom", "addr": 0, "size": 1000, "frames": _fr(b)},
     ]
-    peak, live, peak_i, oom = mem_peak.replay(events)
+    local = {}
+    peak, live, peak_i, oom = mem_peak.replay(events, local)
     assert peak == 550 and peak_i == 4 and set(live) == {2, 3}
+    assert local == {"megatron/core/a.py:10 fwd": 550, "hyscale_kernels/k.py:20 bwd": 400}
     assert oom is not None and oom["live_total"] == 300 and set(oom["live"]) == {3, 4}
     groups = dict(mem_peak.group(live, depth=1))
     assert groups == {"hyscale_kernels/k.py:20 bwd": [300, 1, 300], "megatron/core/a.py:10 fwd": [250, 1, 250]}
     text = mem_peak.report({"device_traces": [[], events]}, tokens=10)
-    assert "device 1" in text and "= 55 B/token" in text and "OOM event" in text
+    assert "device 1" in text and "= 55 B/token" in text and "OOM event" in text and "local peaks" in text
     assert "torch/nn" not in text  # torch-internal frames are skipped
 
 
