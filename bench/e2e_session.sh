@@ -34,18 +34,6 @@ case " $STEPS " in *" parity "*)
   cmp "parity_$PS" "${PARITY_TIMEOUT:-480}" --iters 100 @configs/deepseek_v32_1gpu.args \
     --seq-length "$PS" --max-position-embeddings "$PS" --noise-ref "${PARITY_NOISE_REF:-none}" \
     ${PARITY_RUNS:+--runs "$PARITY_RUNS"};; esac
-# longest: hyscale-longest on its default config (16 heads = one TP-8 shard, 2 layers), replay offloaded;
-# LONGEST_KINDS / LONGEST_SEQS / LONGEST_RUN_S split it over calls (stock's selection takes minutes at 512K+)
-case " $STEPS " in *" longest "*)
-  echo "== longest ($(date +%T))"
-  # both kinds alike: at 512K the caching allocator reserved 113 GB for a 96 GB allocated peak;
-  # expandable segments cut that fragmentation (LONGEST_ALLOC_CONF= to run without)
-  export PYTORCH_CUDA_ALLOC_CONF=${LONGEST_ALLOC_CONF-expandable_segments:True}
-  timeout "${LONGEST_TIMEOUT:-540}" python3 -m hyscale_megatron.longest --out "$OUT/longest" --iters "${LONGEST_ITERS:-2}" \
-    --seq-lengths "${LONGEST_SEQS:-32768,131072,524288,1048576}" --kinds "${LONGEST_KINDS:-stock,hyscale}" \
-    --run-timeout-s "${LONGEST_RUN_S:-240}" > "$OUT/longest.console.txt" 2>&1
-  echo "longest rc=$?"; cat "$OUT/longest/longest.md" 2>/dev/null || grep -v -i warn "$OUT/longest.console.txt" | tail -20
-  ;; esac
 # mem: one HyScale step of the longest config under the allocator trace (bench/mem_peak.py): what is live
 # at the peak and the local peaks by call site, bytes/token (MEM_SEQ tokens, default 128K)
 case " $STEPS " in *" mem "*)
@@ -57,6 +45,18 @@ case " $STEPS " in *" mem "*)
     --spec hyscale_megatron.specs hyscale_block_spec --hyscale --hyscale-replay --hyscale-replay-offload \
     --no-hyscale-replay-prefetch > "$OUT/mem.console.txt" 2>&1
   echo "mem rc=$?"; head -75 "$OUT/mem_$MS/peak.txt" 2>/dev/null || grep -v -i warn "$OUT/mem.console.txt" | tail -20
+  ;; esac
+# longest: hyscale-longest on its default config (16 heads = one TP-8 shard, 2 layers), replay offloaded;
+# LONGEST_KINDS / LONGEST_SEQS / LONGEST_RUN_S split it over calls (stock's selection takes minutes at 512K+)
+case " $STEPS " in *" longest "*)
+  echo "== longest ($(date +%T))"
+  # both kinds alike: at 512K the caching allocator reserved 113 GB for a 96 GB allocated peak;
+  # expandable segments cut that fragmentation (LONGEST_ALLOC_CONF= to run without)
+  export PYTORCH_CUDA_ALLOC_CONF=${LONGEST_ALLOC_CONF-expandable_segments:True}
+  timeout "${LONGEST_TIMEOUT:-540}" python3 -m hyscale_megatron.longest --out "$OUT/longest" --iters "${LONGEST_ITERS:-2}" \
+    --seq-lengths "${LONGEST_SEQS:-32768,131072,524288,1048576}" --kinds "${LONGEST_KINDS:-stock,hyscale}" \
+    --run-timeout-s "${LONGEST_RUN_S:-240}" > "$OUT/longest.console.txt" 2>&1
+  echo "longest rc=$?"; cat "$OUT/longest/longest.md" 2>/dev/null || grep -v -i warn "$OUT/longest.console.txt" | tail -20
   ;; esac
 # keep the file count under the device tool's 8: logs go into one archive
 (cd "$OUT" && tar czf logs.tar.gz --ignore-failed-read *.console.txt */*.log */*.jsonl */L* */summary.json 2>/dev/null;
