@@ -26,7 +26,8 @@ from .config import HyScaleConfig
 
 # The sparse attention backward writes dq over the layer's query (kernels/sparse_mla: fused path, N <= 16
 # heads): exact (tests/test_dq_over_query.py: bit-identical gradients), one [T, N, 576] buffer less at
-# the step's peak. A module constant like indexer_recompute.ENABLED, for A/B runs.
+# the step's peak. Not when a reference indexer loss (dense warm-up stage, CPU) keeps the query for its
+# checkpointed backward (_Compute.query_kept). A module constant like indexer_recompute.ENABLED, for A/B runs.
 DQ_OVER_QUERY = True
 
 
@@ -59,6 +60,7 @@ class _Compute:
         self.query, self.key = query, key  # the forward's own attention inputs (with grad)
         self._attn = None  # (indices, latent outputs per batch, lse per batch) computed early for the loss
         self.q_recipe = None  # set by indexer_recompute while the indexer runs (sparse loss recomputes q)
+        self.query_kept = False  # something else saved the query for its backward: no dq written over it
 
     def _kernels(self, impl: str, t: torch.Tensor) -> bool:
         return impl == "triton" or (impl == "auto" and t.is_cuda)
@@ -153,8 +155,11 @@ class _Compute:
             bounds = dsa_masking.build_fused_indexer_varlen_bounds(
                 sq=sq, skv=sk, device=q.device, mask=mask, varlen_starts=varlen_starts,
                 varlen_ends=varlen_ends, key_positions=None)
-        lses = self._attention_early(query, key, idx, softmax_scale) if sparse_loss else None
         kernels = self._kernels(self.cfg.attn_impl, query)
+        # the reference losses (dense warm-up stage, sparse on CPU) checkpoint their row chunks and
+        # re-read the query in the backward: then the attention backward must not write dq over it
+        self.query_kept = self.query_kept or not (sparse_loss and kernels)
+        lses = self._attention_early(query, key, idx, softmax_scale) if sparse_loss else None
         total = None
         for bi in range(b):
             kv = key[:, bi, 0].detach()
@@ -250,7 +255,7 @@ class _Compute:
                 # after the attention backward (the loss target reads it in the forward): dq may be
                 # written over it (DQ_OVER_QUERY; 18 KiB/token less at the backward peak, N = 16)
                 return sparse_mla(q, kv, idx, scale, v_dim=v_dim, check_index_range=False,
-                                  dq_over_q=DQ_OVER_QUERY)
+                                  dq_over_q=DQ_OVER_QUERY and not self.query_kept)
             if impl == "triton":
                 raise RuntimeError("attn_impl='triton' requested but hyscale_kernels.sparse_mla.sparse_mla is unavailable")
         from hyscale_kernels.sparse_mla.reference import sparse_mla_reference  # noqa: PLC0415

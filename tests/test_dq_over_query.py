@@ -5,7 +5,9 @@
   fresh buffer, and dq *is* q's storage; the split backward (its dkv kernel reads q after the dq
   kernel) ignores the request and leaves q intact;
 - layer: LM loss, indexer loss and every parameter gradient are bit-identical with it on and off
-  (Triton interpreter; with and without full recompute, batch 1 and 2), and it really happened.
+  (Triton interpreter; with and without full recompute, batch 1 and 2), and it really happened;
+- not in place when a reference indexer loss (dense warm-up stage) keeps the query for its
+  checkpointed backward (in place there changed the indexer gradients).
 """
 
 import pytest
@@ -50,7 +52,7 @@ def test_kernel_dq_over_q(split):
                          split=False, dq_over_q=True)
 
 
-def _run(on, monkeypatch, recompute, batch):
+def _run(on, monkeypatch, recompute, batch, **cfg_kw):
     from hyscale_megatron.env import seed_all
 
     monkeypatch.setattr(dsa, "DQ_OVER_QUERY", on)
@@ -65,7 +67,7 @@ def _run(on, monkeypatch, recompute, batch):
     import hyscale_kernels.sparse_mla as sm
 
     monkeypatch.setattr(sm, "sparse_mla_bwd", bwd)
-    cfg = mla_dsa_config(**(FULL if recompute else {}))
+    cfg = mla_dsa_config(**(FULL if recompute else {}), **cfg_kw)
     seed_all(11)
     model = build_gpt(cfg, use_hyscale=True, vocab_size=VOCAB,
                       hyscale=HyScaleConfig(topk_impl="reference", attn_impl="triton"))
@@ -94,6 +96,18 @@ def test_layer_gradients_bit_identical(monkeypatch, batch, recompute):
         assert torch.equal(g_on[name], g_off[name]), f"gradient of {name} differs"
     assert ip_off and not any(ip_off)
     assert ip_on and all(ip_on), ip_on  # every sequence's attention backward wrote dq over its query
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "full"])
+def test_not_in_place_when_a_reference_loss_keeps_the_query(monkeypatch, recompute):
+    """The dense (warm-up) indexer loss runs the chunked reference, whose checkpointed chunks re-read the
+    query in the backward: the attention must then leave the query intact (and the gradients equal)."""
+    out_off, idx_off, g_off, _ = _run(False, monkeypatch, recompute, 1, dsa_indexer_use_sparse_loss=False)
+    out_on, idx_on, g_on, ip_on = _run(True, monkeypatch, recompute, 1, dsa_indexer_use_sparse_loss=False)
+    assert torch.equal(out_on, out_off) and torch.equal(idx_on, idx_off)
+    for name in g_off:
+        assert torch.equal(g_on[name], g_off[name]), f"gradient of {name} differs"
+    assert ip_on and not any(ip_on), ip_on
 
 
 @pytest.mark.gpu
