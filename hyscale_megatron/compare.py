@@ -417,7 +417,10 @@ def summarize(records: dict[str, list[dict]], walls: dict[str, Optional[float]],
         ref_div = divergence(records[REF_RUN], records["stock"])
         s["noise_ref"] = dict(run=REF_RUN, backend=meta.get("noise_ref") or "unknown",
                               stock_backend=meta.get("stock_backend"), vs_stock=ref_div)
-        s["parity"] = dict(hyscale_vs_stock=hs_div, stock_ref_vs_stock=ref_div, window=hs_div["window"],
+        # the third side of the triangle: information only (the verdict compares the two pairs above)
+        hs_ref_div = divergence(records["hyscale"], records[REF_RUN])
+        s["parity"] = dict(hyscale_vs_stock=hs_div, stock_ref_vs_stock=ref_div, hyscale_vs_stock_ref=hs_ref_div,
+                           window=hs_div["window"],
                            divergence_rtol=DIVERGENCE_RTOL,
                            **parity_verdict(hs_div, ref_div, noise_slack))
     s["speedup"] = s["runs"]["stock"]["median_step_ms"] / s["runs"]["hyscale"]["median_step_ms"]
@@ -497,6 +500,8 @@ def _parity_markdown(s: dict) -> list[str]:
         "|---|---:|---:|---:|---:|",
         row("hyscale vs stock", par["hyscale_vs_stock"]),
         row(f"{REF_RUN} ({ref['backend']}) vs stock", par["stock_ref_vs_stock"]),
+        *([row(f"hyscale vs {REF_RUN} ({ref['backend']}) (information)", par["hyscale_vs_stock_ref"])]
+          if "hyscale_vs_stock_ref" in par else []),
         "",
         f"**HyScale within bf16 noise: {verdict}** (windowed LM-loss divergence {g(x)} {rel} {slack:g} x "
         f"reference's {g(y)})",

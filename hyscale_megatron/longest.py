@@ -326,19 +326,38 @@ def read_csv(path: Path) -> list[dict]:
     return rows
 
 
+_MERGE_SAME = ("config", "device", "device_name", "torch", "megatron", "stock_backend")
+
+
 def merge(dirs: Sequence[str]) -> tuple[list[dict], list[int], dict, int]:
     """Rows of several sweeps (one row per (kind, length); a later directory wins), their meta and iters."""
-    by, meta = {}, None
+    by, meta, dates, flags = {}, None, [], []
     for d in dirs:
         path = Path(d) / "longest.csv"
         if not path.exists():
             raise LongestRefused(f"--merge: {path} does not exist")
         for r in read_csv(path):
             by[(r["kind"], r["seq_len"])] = r
-        if meta is None and (Path(d) / "meta.json").exists():
-            meta = json.loads((Path(d) / "meta.json").read_text())
+        if not (Path(d) / "meta.json").exists():
+            continue
+        m = json.loads((Path(d) / "meta.json").read_text())
+        if meta is None:
+            meta = m
+        else:  # rows of one table must come from the same model, GPU and software
+            for key in _MERGE_SAME:
+                if m.get(key) != meta.get(key):
+                    raise LongestRefused(
+                        f"--merge: {d} ran with {key}={m.get(key)!r}, an earlier directory with "
+                        f"{meta.get(key)!r}; merge only sweeps of one config, device and version set")
+        if m.get("date") and m["date"] not in dates:
+            dates.append(m["date"])
+        if m.get("hyscale_args") is not None and m["hyscale_args"] not in flags:
+            flags.append(m["hyscale_args"])
     if meta is None:
         raise LongestRefused(f"--merge: none of {list(dirs)} has a meta.json (device, versions, date, config)")
+    meta = dict(meta, date=", ".join(dates) or meta.get("date", "?"), merged_from=[str(d) for d in dirs])
+    if flags:
+        meta["hyscale_args"] = " | ".join(flags)
     rows = sorted(by.values(), key=lambda r: (r["seq_len"], KINDS.index(r["kind"])))
     return rows, sorted({r["seq_len"] for r in rows}), meta, int(meta.get("iters", 0))
 
@@ -362,6 +381,7 @@ def markdown(rows: list[dict], lengths: list[int], meta: dict, iters: int) -> st
         f"- config: `{meta['config']}`; {iters} iterations per run; full recompute; HyScale with selection replay",
         f"- device: {meta['device_name']}; torch {meta['torch']}; megatron-core {meta['megatron']}; {meta['date']}",
         f"- stock backend: `--dsa-kernel-backend {meta['stock_backend']}`; each (kind, length) a separate process",
+        *([f"- HyScale flags added by hyscale-longest: `{meta['hyscale_args']}`"] if meta.get("hyscale_args") else []),
         "",
         "| seq len | stock | stock step (ms) | stock tokens/s | stock peak (MiB) | HyScale | HyScale step (ms) "
         "| HyScale tokens/s | HyScale peak (MiB) | replay store (bytes) | speedup |",
@@ -417,6 +437,8 @@ def main(argv: Optional[Sequence[str]] = None, runner: Runner = default_runner) 
         except LongestRefused as exc:
             print(f"{PROG}: {exc}", file=sys.stderr)
             return 2
+        Path(opts.out).mkdir(parents=True, exist_ok=True)
+        (Path(opts.out) / "meta.json").write_text(json.dumps(meta, indent=1))
         return _write_outputs(Path(opts.out), rows, lengths, meta, iters)
     rest = with_default_config(rest)
     hyscale_only = shlex.split(opts.hyscale_args)
@@ -437,7 +459,8 @@ def main(argv: Optional[Sequence[str]] = None, runner: Runner = default_runner) 
     t0 = time.perf_counter()
     print(f"[{PROG}] {' '.join(t for t in rest if t.startswith('@'))}: seq lengths {opts.seq_lengths}, "
           f"{opts.iters} iterations each, stock backend {meta['stock_backend']}", flush=True)
-    (out / "meta.json").write_text(json.dumps(dict(meta, iters=opts.iters), indent=1))
+    meta = dict(meta, iters=opts.iters, hyscale_args=opts.hyscale_args)
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
     rows = sweep(opts, rest, out, runner)
     rc = _write_outputs(out, rows, opts.seq_lengths, meta, opts.iters)
     print(f"[{PROG}] {time.perf_counter() - t0:.1f} s total", flush=True)

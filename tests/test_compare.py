@@ -315,6 +315,9 @@ def test_noise_ref_summary_and_verdict(tmp_path):
            "first iteration > 0.01 |" in md
     assert "| hyscale vs stock | 0.05 | 0.025 | 0.05 | 5 |" in md
     assert "| stock_ref (none) vs stock | 0.015 | 0.015 | 0 | 11 |" in md
+    hr = par["hyscale_vs_stock_ref"]  # the third pair, against the reference run itself
+    assert hr == compare.divergence(r["hyscale"], r["stock_ref"]) and hr["iterations"] == 20
+    assert "| hyscale vs stock_ref (none) (information) |" in md
     assert "**HyScale within bf16 noise: no** (windowed LM-loss divergence 0.025 > 1.5 x reference's 0.015)" in md
     assert "| stock_ref | 10.0 |" in md  # its row in the run table
     rows = list(csv.DictReader(open(tmp_path / "iterations.csv")))

@@ -269,6 +269,13 @@ def test_merge_two_sessions(tmp_path, capsys):
     assert "| 128 | ok | 15.0 |" in md and "| 1.00x |" in md
     assert "| 256 | PARTIAL | 15.0 (warm-up) |" in md
     assert md.count("x |") == 1, "no speedup from a warm-up-only step time"
+    assert md.count("- device:") == 1
+    assert "HyScale flags added by hyscale-longest: `--hyscale-replay" in md
+    assert json.loads((out / "meta.json").read_text())["merged_from"] == [str(a), str(b)]
+    meta_b = json.loads((b / "meta.json").read_text())
+    (b / "meta.json").write_text(json.dumps(dict(meta_b, torch="0.0-other")))
+    assert longest.main(["--merge", f"{a},{b}", "--out", str(out)]) == 2
+    assert "torch='0.0-other'" in capsys.readouterr().err
     (a / "meta.json").unlink()
     (b / "meta.json").unlink()
     assert longest.main(["--merge", f"{a},{b}", "--out", str(out)]) == 2
