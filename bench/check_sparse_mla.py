@@ -7,6 +7,7 @@ package ``hyscale_kernels`` when it is not installed.
     python bench/check_sparse_mla.py [--quick]
     python bench/check_sparse_mla.py --resources   # no GPU needed: smem / registers / spills
                                                    # of each swept config, compiled for sm_90a
+    python bench/check_sparse_mla.py --resources --only=bwd_dq_scratch,bwd_dkv_scratch
 """
 
 from __future__ import annotations
@@ -157,10 +158,20 @@ DKV_CFGS = [dict(block_h=32, block_k=64, num_warps=8, num_stages=1),
             dict(block_h=32, block_k=32, num_warps=8, num_stages=1),
             dict(block_h=16, block_k=64, num_warps=8, num_stages=2)]
 FUSED_CFGS = [dict(block_h=32, block_k=16, num_warps=8, num_stages=2)]
+# variant="scratch": dkv contraction of the stored P / dS (BLOCK_K keys on M, BLOCK_H heads per step)
+# (64x64 with 2 stages needs 320 KB of smem: not listed)
+SCRATCH_CFGS = [dict(block_h=32, block_k=64, num_warps=8, num_stages=2),
+                dict(block_h=16, block_k=64, num_warps=8, num_stages=3),
+                dict(block_h=16, block_k=64, num_warps=8, num_stages=2),
+                dict(block_h=64, block_k=64, num_warps=8, num_stages=1),
+                dict(block_h=32, block_k=32, num_warps=8, num_stages=2),
+                dict(block_h=32, block_k=32, num_warps=4, num_stages=2),
+                dict(block_h=32, block_k=64, num_warps=4, num_stages=2),
+                dict(block_h=32, block_k=128, num_warps=8, num_stages=1)]
 TARGET_CFGS = [dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
                dict(block_h=64, block_k=32, num_warps=8, num_stages=2),
                dict(block_h=64, block_k=64, num_warps=8, num_stages=3)]
-BWD_CFGS = DQ_CFGS  # back-compat name
+BWD_CFGS = [dict(split=True, dq_cfg=c) for c in DQ_CFGS]  # sparse_mla_bwd kwargs: the split backward per dq config
 
 
 def _compile_report(fn, sig, const, cfg):
@@ -197,12 +208,17 @@ def resources(N=128, K=2048):
 
     common = dict(DQK=576, V=512, R=64, K=K, BLOCK_V=512, BLOCK_R=64, IEEE=False, EVEN=True, BIG=False)
     ptrs = dict(q="*bf16", kv="*bf16", idx="*i32")
+    dq_sig = dict(ptrs, o="*bf16", do="*bf16", lse="*fp32", dlse="*fp32", delta="*fp32", dq="*bf16",
+                  pds="*bf16", row0="i32", scale="fp32", scale_log2="fp32", N="i32", N_HB="i32")
     kinds = (
         ("fwd", km._sparse_mla_fwd_kernel, FWD_CFGS,
          dict(ptrs, out="*bf16", lse="*fp32", scale_log2="fp32", N="i32", N_HB="i32"), {}),
-        ("bwd_dq", km._sparse_mla_bwd_dq_kernel, DQ_CFGS,
-         dict(ptrs, o="*bf16", do="*bf16", lse="*fp32", dlse="*fp32", delta="*fp32", dq="*bf16",
-              scale="fp32", scale_log2="fp32", N="i32", N_HB="i32"), dict(HAS_DLSE=False)),
+        ("bwd_dq", km._sparse_mla_bwd_dq_kernel, DQ_CFGS, dq_sig, dict(HAS_DLSE=False, SCRATCH=False)),
+        # the scratch variant's dq kernel: the same plus bf16 P / dS stores per key tile
+        ("bwd_dq_scratch", km._sparse_mla_bwd_dq_kernel, DQ_CFGS[:1], dq_sig, dict(HAS_DLSE=False, SCRATCH=True)),
+        ("bwd_dkv_scratch", km._sparse_mla_bwd_dkv_scratch_kernel, SCRATCH_CFGS,
+         dict(q="*bf16", idx="*i32", do="*bf16", pds="*bf16", dkv="*fp32", row0="i32",
+              N="i32", N_KB="i32"), dict(DETERMINISTIC=False)),
         ("bwd_dkv", km._sparse_mla_bwd_dkv_kernel, DKV_CFGS,
          dict(ptrs, do="*bf16", lse="*fp32", delta="*fp32", dkv="*fp32", row0="i32",
               scale="fp32", scale_log2="fp32", N="i32", N_KB="i32"), dict(DETERMINISTIC=False)),
@@ -218,8 +234,10 @@ def resources(N=128, K=2048):
             continue
         for cfg in cfgs:
             const = dict(common, BLOCK_H=cfg["block_h"], BLOCK_K=cfg["block_k"], **extra)
-            if name == "bwd_dkv":
+            if name in ("bwd_dkv", "bwd_dkv_scratch"):
                 const["NHB"] = -(-N // cfg["block_h"])
+            if name == "bwd_dkv_scratch":  # no key-row gather: no BIG
+                const.pop("BIG")
             try:
                 say(f"{name} {cfg}: " + _compile_report(fn, sig, const, cfg))
             except Exception as ex:  # noqa: BLE001

@@ -4,10 +4,16 @@ kernel, dkv kernel) and of the fused one, for several configs, at N = 16 / 64 / 
 bench/sparse_attn.py times the whole backward; this script splits it with torch.profiler's CUDA
 kernel records (no timing code inside the kernels), so a config can be judged per kernel:
   * `dq`: one program per (token, head block): S, P, dP, dS, dq (+ delta in its prologue);
-  * `dkv`: one program per (token, key block): recomputes S, P, dP over all heads, dkv atomics.
+  * `dkv`: one program per (token, key block): recomputes S, P, dP over all heads, dkv atomics;
+    in the `scratch` variants (sparse_mla_bwd(variant="scratch")) the dq kernel also stores dS / P
+    per token chunk and the dkv kernel contracts them without recomputing (one launch pair per chunk).
 Each variant: warm-up call, then `--reps` profiled calls; the table gives median ms per kernel
-per call and the whole backward's TFLOP/s (counted as in bench/sparse_attn.py). Random bf16 data,
+per call, the whole call's median by CUDA events (`event_ms`, `--reps` calls after a warm-up) and its
+TFLOP/s (counted as in bench/sparse_attn.py), and `err`: the larger relative L2 error of dq / dkv
+against the default backward (sparse_mla_bwd without options) on the same inputs. Random bf16 data,
 causal duplicate-free indices, k = 2048. Rows are appended to bench/results/sparse_bwd_parts.csv.
+Variants run in the order listed (new ones first): `--budget-s` skips the rest; `--only a,b` keeps
+the variants whose name contains one of the substrings (default: env SBP_ONLY, else all).
 
 On the H200 (device tool; no Megatron needed):
   python3 bench/sparse_bwd_parts.py --out $OUT
@@ -36,6 +42,7 @@ p.add_argument("--out", default=os.environ.get("OUT", "/tmp/sparse_bwd_parts"))
 p.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                              "sparse_bwd_parts.csv"))
 p.add_argument("--cpu-smoke", action="store_true")
+p.add_argument("--only", default=os.environ.get("SBP_ONLY", ""))
 args = p.parse_args()
 if args.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -44,7 +51,7 @@ if args.cpu_smoke:
 
 import torch  # noqa: E402
 
-from common import append_csv, causal_indices, env_info, markdown_table  # noqa: E402
+from common import append_csv, causal_indices, env_info, markdown_table, rel_err, time_ms  # noqa: E402
 from hyscale_kernels.sparse_mla import flops  # noqa: E402
 from hyscale_kernels.sparse_mla import kernel as km  # noqa: E402
 
@@ -53,16 +60,25 @@ DT = torch.float32 if args.cpu_smoke else torch.bfloat16
 SCALE = (128 + 64) ** -0.5
 T0 = time.time()
 
-# name -> sparse_mla_bwd keyword arguments; `dq4`: 4 warps for the dq kernel (M = 16 rows at N = 16)
+# name -> sparse_mla_bwd keyword arguments; `dq4`: 4 warps for the dq kernel (M = 16 rows at N = 16).
+# The scratch variants (session 5, untimed): default chunk = 256 MiB of bf16 dS + P (256 tokens at N = 128,
+# 2048 at N = 16); `chunk 512` = 512 MiB at N = 128; `bh16`: 16 heads per dkv step, 3 stages; `bk32`: 32-key
+# dkv blocks (mma.sync, 74 KB smem instead of 164: more programs per SM to overlap the atomics at small N).
 VARIANTS = {
     "split (default)": dict(split=True),
+    "scratch": dict(variant="scratch"),
+    "scratch chunk 512": dict(variant="scratch", chunk_tokens=512),
+    "scratch dkv bh16": dict(variant="scratch", scratch_cfg=dict(block_h=16, num_stages=3)),
+    "scratch dkv bk32": dict(variant="scratch", scratch_cfg=dict(block_k=32)),
+    "scratch dq 4 warps": dict(variant="scratch", dq_cfg=dict(num_warps=4)),
     "split dq 4 warps": dict(split=True, dq_cfg=dict(num_warps=4)),
     "split dkv bk64": dict(split=True, dkv_cfg=dict(block_k=64, num_stages=1)),
     "split dkv 4 warps": dict(split=True, dkv_cfg=dict(num_warps=4)),
     "fused": dict(split=False),
 }
-KERNEL_ROLE = {"_sparse_mla_bwd_dq_kernel": "dq", "_sparse_mla_bwd_dkv_kernel": "dkv",
-               "_sparse_mla_bwd_kernel": "fused"}
+KERNEL_ROLE = {"_sparse_mla_bwd_dkv_scratch_kernel": "dkv", "_sparse_mla_bwd_dq_kernel": "dq",
+               "_sparse_mla_bwd_dkv_kernel": "dkv", "_sparse_mla_bwd_kernel": "fused"}
+ONLY = [x.strip() for x in args.only.split(",") if x.strip()]
 
 
 def per_kernel_ms(fn, reps):
@@ -104,34 +120,41 @@ def main():
         out, lse = km.sparse_mla_fwd(q, kv, idx, SCALE, 512)
         dout = torch.randn(T, N, 512, device=DEV, dtype=DT, generator=g)
         _, b_fl = flops(T, N, K)
+        ref = km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, SCALE, 512)  # the default's gradients
         for name, kw in VARIANTS.items():
+            if ONLY and not any(o in name for o in ONLY):
+                continue
             if time.time() - T0 > args.budget_s:
                 print(f"budget reached: skipping N={N} {name}", flush=True)
                 continue
+            call = lambda: km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, SCALE, 512, **kw)  # noqa: E731
             try:
-                ms = per_kernel_ms(lambda: km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, SCALE, 512, **kw),
-                                   args.reps)
+                ms = per_kernel_ms(call, args.reps)
+                ev = time_ms(call, warmup=1, min_iters=args.reps, max_iters=args.reps, target_ms=0.0)["ms"]
+                got = call()
+                err = max(rel_err(got[0], ref[0]), rel_err(got[1], ref[1]))
+                del got
             except Exception as ex:  # noqa: BLE001 - a config that fails to compile is a result too
                 print(f"N={N} {name}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
                 continue
             total = sum(ms.values())
             row = dict(kind="bwd_parts", T=T, N=N, k=K, variant=name, total_ms=round(total, 3),
-                       **{f"{r}_ms": round(v, 3) for r, v in ms.items()},
+                       **{f"{r}_ms": round(v, 3) for r, v in ms.items()}, event_ms=ev, err=f"{err:.2e}",
                        tflops=round(b_fl / total / 1e9, 1) if total > 0 else "",
                        **{**info, "command": "bench/sparse_bwd_parts.py " + " ".join(sys.argv[1:])})
             rows.append(row)
             table.append(row)
-            print(f"[{time.time() - T0:6.1f}s] N={N:4d} {name:20s} " +
+            print(f"[{time.time() - T0:6.1f}s] N={N:4d} {name:20s} events={ev:.2f}ms err={err:.1e} " +
                   " ".join(f"{r}={v:.2f}ms" for r, v in ms.items()), flush=True)
-        del q, kv, out, lse, dout
+        del q, kv, out, lse, dout, ref
         if DEV == "cuda":
             torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     append_csv(args.csv, rows)
     if DEV == "cuda":
         append_csv(os.path.join(args.out, "sparse_bwd_parts.csv"), rows)
-    print("\n" + markdown_table(table, ["N", "variant", "total_ms", "dq_ms", "dkv_ms", "fused_ms", "other_ms",
-                                        "tflops"]))
+    print("\n" + markdown_table(table, ["N", "variant", "event_ms", "total_ms", "dq_ms", "dkv_ms", "fused_ms",
+                                        "other_ms", "tflops", "err"]))
 
 
 if __name__ == "__main__":

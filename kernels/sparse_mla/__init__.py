@@ -12,7 +12,7 @@ import torch
 
 from .._common import check, check_tensor
 from .reference import sparse_mla_reference
-from .kernel import flops, sparse_mla_bwd, sparse_mla_fwd
+from .kernel import check_bwd_variant, flops, sparse_mla_bwd, sparse_mla_fwd
 
 __all__ = ["sparse_mla", "sparse_mla_reference", "flops"]
 
@@ -24,11 +24,12 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 class _SparseMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, v_dim, deterministic, dq_over_q):
+    def forward(ctx, q, kv, indices, softmax_scale, v_dim, deterministic, dq_over_q, bwd_variant, bwd_chunk_tokens):
         out, lse = sparse_mla_fwd(q, kv, indices, softmax_scale, v_dim)
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.softmax_scale, ctx.v_dim, ctx.deterministic = softmax_scale, v_dim, deterministic
         ctx.dq_over_q = dq_over_q
+        ctx.bwd = dict(variant=bwd_variant, chunk_tokens=bwd_chunk_tokens) if bwd_variant is not None else {}
         return out, lse
 
     @staticmethod
@@ -36,8 +37,8 @@ class _SparseMLA(torch.autograd.Function):
         q, kv, indices, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dq, dkv = sparse_mla_bwd(q, kv, indices, out, lse, dout, dlse, ctx.softmax_scale, ctx.v_dim,
-                                 deterministic=ctx.deterministic, dq_over_q=ctx.dq_over_q)
-        return dq, dkv.to(kv.dtype), None, None, None, None, None
+                                 deterministic=ctx.deterministic, dq_over_q=ctx.dq_over_q, **ctx.bwd)
+        return dq, dkv.to(kv.dtype), None, None, None, None, None, None, None
 
 
 def _validate(q, kv, indices, softmax_scale, v_dim, check_index_range):
@@ -68,6 +69,8 @@ def sparse_mla(
     deterministic: bool = False,
     check_index_range: bool = True,
     dq_over_q: bool = False,
+    bwd_variant: str | None = None,
+    bwd_chunk_tokens: int | None = None,
 ):
     """Absorbed-MLA sparse attention over selected keys; differentiable in ``q`` and ``kv``.
 
@@ -87,6 +90,11 @@ def sparse_mla(
         dq_over_q: the backward may write dq into q's storage (q's values are then lost): only for a
             caller that reads q nowhere after this op's backward (the HyScale layer's own query). Saves
             one [T, N, Dqk] buffer on the fused backward path (N <= 16 heads); ignored elsewhere.
+        bwd_variant: None (default: fused backward for N <= 16 heads, split above) or "scratch" (opt-in,
+            being timed): the dq kernel also stores P and dS for a chunk of tokens and a dkv kernel
+            contracts them over heads without recomputing the logits (``kernel.sparse_mla_bwd``).
+        bwd_chunk_tokens: tokens per chunk of the "scratch" backward (default: P + dS within
+            ``kernel.SCRATCH_BYTES`` = 256 MiB, i.e. 256 tokens at N = 128, k = 2048, bf16).
     Returns:
         out: [T, N, v_dim] in q's dtype (fp32 accumulation); zeros for rows without a valid key.
         lse: [T, N] fp32 natural-log sum-exp of the scaled logits over the valid selected keys;
@@ -96,6 +104,7 @@ def sparse_mla(
     it runs the chunked PyTorch reference (logged once).
     """
     _validate(q, kv, indices, softmax_scale, v_dim, check_index_range)
+    check_bwd_variant(bwd_variant, bwd_chunk_tokens, where="sparse_mla", names=("bwd_variant", "bwd_chunk_tokens"))
     softmax_scale = float(softmax_scale)
     if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         global _logged_fallback
@@ -104,4 +113,4 @@ def sparse_mla(
             _log.info("hyscale_kernels: sparse_mla on CPU without TRITON_INTERPRET uses the PyTorch reference")
         return sparse_mla_reference(q, kv, indices, softmax_scale, v_dim=v_dim)
     return _SparseMLA.apply(q.contiguous(), kv.contiguous(), indices.contiguous(), softmax_scale, v_dim,
-                            deterministic, bool(dq_over_q))
+                            deterministic, bool(dq_over_q), bwd_variant, bwd_chunk_tokens)

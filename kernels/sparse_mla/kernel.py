@@ -24,6 +24,10 @@ Backward, "split" (``split=True``): two kernels, both with large MMA tiles and n
      ``deterministic=True``, writes it to a bounded per-slot buffer reduced in sorted order.
   The split recomputes S and dP once more (3840 instead of 2752 MACs per head-key) but keeps
   one dkv row update per (token, key) whatever the head count.
+``variant="scratch"`` (opt-in, not yet timed) removes the split's recompute: per chunk of tokens the dq
+kernel also stores dS and P (bf16, [chunk, 2, N, k], bounded by SCRATCH_BYTES), and a dkv kernel with
+keys on M contracts them over heads, dkv = [dS^T | P^T] @ [q_v ; dO] (+ dS^T q_r): 2752 MACs per
+head-key instead of 3840, for 8 B of scratch traffic per head-key.
 ``split=False`` runs the fused kernel instead: one program per token and block of 32 heads, dkv
 atomics per head block (mma.sync: M = 32 < 64). ``split=None`` (default) picks by head count: at
 T = 16K on the H200 split wins at N = 64 / 128 (150 / 277 ms vs fused 172 / 346) and fused wins at
@@ -140,13 +144,13 @@ def _sparse_mla_fwd_kernel(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _sparse_mla_bwd_dq_kernel(
-    q, kv, idx, o, do, lse, dlse, delta, dq, scale, scale_log2, N, N_HB,
+    q, kv, idx, o, do, lse, dlse, delta, dq, pds, row0, scale, scale_log2, N, N_HB,
     DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, HAS_DLSE: tl.constexpr,
+    IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    i_t = pid // N_HB
+    i_t = pid // N_HB + row0  # query token (row0: first token of the chunk in the scratch variant)
     i_h = pid % N_HB
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < N
@@ -165,6 +169,7 @@ def _sparse_mla_bwd_dq_kernel(
     b_lse = tl.where(m_fin, b_lse, 0.0) * 1.4426950408889634  # log2 units
     b_dqv = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)  # [BLOCK_H, BLOCK_V]
     b_dqr = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)  # [BLOCK_H, BLOCK_R]
+    row_s = (i_t - row0).to(tl.int64) * 2 * N + o_h  # [BLOCK_H] dS rows of the scratch (chunk token, head)
     for k0 in range(0, K, BLOCK_K):
         b_kv, b_kr, b_row, m_k, o_k = _gather_kv(kv, idx, i_t, k0, K, DQK, V, R, BLOCK_K, BLOCK_V, BLOCK_R,
                                                  EVEN, BIG)
@@ -173,6 +178,11 @@ def _sparse_mla_bwd_dq_kernel(
         b_p = tl.where(m_k[None, :], b_p, 0.0)  # [BLOCK_H, BLOCK_K]
         b_dp = _dot(b_do, tl.trans(b_kv), IEEE)  # [BLOCK_H, BLOCK_K]
         b_ds = (b_p * (b_dp - b_delta[:, None]) * scale).to(b_kv.dtype)  # d(q.k)
+        if SCRATCH:  # dS and P in the operand dtype, as the dkv kernel's MMA will read them
+            o_s = row_s[:, None] * K + o_k[None, :]  # [BLOCK_H, BLOCK_K] into pds [chunk, 2, N, K]
+            m_s = m_h[:, None] & (o_k < K)[None, :]
+            tl.store(pds + o_s, b_ds, mask=m_s)
+            tl.store(pds + N * K + o_s, b_p.to(pds.dtype.element_ty), mask=m_s)
         b_dqv = _mac(b_ds, b_kv, b_dqv, IEEE)
         b_dqr = _mac(b_ds, b_kr, b_dqr, IEEE)
     o_v = tl.arange(0, BLOCK_V)
@@ -225,6 +235,66 @@ def _sparse_mla_bwd_dkv_kernel(
         tl.store(dkv + e[:, None] * DQK + V + o_r[None, :], b_acc_r, mask=m_e & (o_r[None, :] < R))
     else:
         p_row = dkv + b_row.to(tl.int64)[:, None] * DQK
+        tl.atomic_add(p_row + o_v[None, :], b_acc_v, mask=m_k[:, None] & (o_v[None, :] < V), sem="relaxed")
+        tl.atomic_add(p_row + V + o_r[None, :], b_acc_r, mask=m_k[:, None] & (o_r[None, :] < R), sem="relaxed")
+
+
+@triton.jit
+def _sparse_mla_bwd_dkv_scratch_kernel(
+    q, idx, do, pds, dkv, row0, N, N_KB,
+    DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr, NHB: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    IEEE: tl.constexpr, EVEN: tl.constexpr, DETERMINISTIC: tl.constexpr,
+):
+    """dkv without recompute: contracts the dS / P the dq kernel stored for a chunk of tokens.
+
+    One program per (chunk token, key block); keys are the MMA M side, heads the reduction:
+    dkv[key, :V] = sum_h dS[h, key] q[h, :V] + P[h, key] dO[h, :], dkv[key, V:] = sum_h dS[h, key] q[h, V:].
+    1088 MACs per (head, key) instead of the recomputing kernel's 2176, and no key-row gather: only
+    the destination rows (idx) are read. The value part is ONE dot per head block, [dS^T | P^T] @ [q_v ; dO]
+    (reduction 2 * BLOCK_H): two dots chained on one accumulator make Triton give the first one
+    warpsPerCTA [8, 1] and convert the [64, 512] fp32 accumulator between layouts every step (12 KB of
+    spills in the AOT report)."""
+    pid = tl.program_id(0)
+    i_c = pid // N_KB  # token within the chunk (its scratch row)
+    i_t = i_c + row0  # query token
+    i_kb = pid % N_KB  # key block (fastest: the blocks of one token share its q / dO in L2)
+    o_k = i_kb * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K] slots
+    m_kk = o_k < K
+    b_idx = tl.load(idx + i_t.to(tl.int64) * K + o_k, mask=m_kk, other=-1).to(tl.int32)  # [BLOCK_K]
+    m_k = b_idx >= 0  # valid slot (padding: P = dS = 0 in the scratch, but its row must not be touched)
+    o_j = tl.arange(0, 2 * BLOCK_H)  # [2 * BLOCK_H] reduction rows: dS (with q) first, then P (with dO)
+    m_j = o_j < BLOCK_H
+    o_v = tl.arange(0, BLOCK_V)
+    o_r = tl.arange(0, BLOCK_R)
+    b_acc_v = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)  # [BLOCK_K, BLOCK_V]
+    b_acc_r = tl.zeros([BLOCK_K, BLOCK_R], dtype=tl.float32)  # [BLOCK_K, BLOCK_R]
+    for i_h in range(NHB):  # all heads of the token
+        o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+        m_h = o_h < N
+        o_hj = i_h * BLOCK_H + o_j % BLOCK_H  # [2 * BLOCK_H] head of each reduction row
+        m_hj = o_hj < N
+        row_j = i_t.to(tl.int64) * N + o_hj  # [2 * BLOCK_H]
+        p_j = tl.where(m_j, q + row_j * DQK, do + row_j * V)  # [2 * BLOCK_H] q rows, then dO rows
+        if EVEN:
+            b_qdo = tl.load(p_j[:, None] + o_v[None, :], mask=m_hj[:, None], other=0.0)  # [2 * BLOCK_H, BLOCK_V]
+        else:
+            b_qdo = tl.load(p_j[:, None] + o_v[None, :], mask=m_hj[:, None] & (o_v[None, :] < V), other=0.0)
+        b_qr = _load_rows(q, i_t.to(tl.int64) * N + o_h, m_h, V, DQK, R, BLOCK_R, EVEN)  # [BLOCK_H, BLOCK_R]
+        # pds is [chunk, 2, N, K]: plane 0 = dS, plane 1 = P
+        o_sj = ((i_c * 2 + (o_j >= BLOCK_H)).to(tl.int64) * N + o_hj)[:, None] * K + o_k[None, :]
+        b_dsp = tl.load(pds + o_sj, mask=m_hj[:, None] & m_kk[None, :], other=0.0)  # [2 * BLOCK_H, BLOCK_K]
+        o_s = (i_c.to(tl.int64) * 2 * N + o_h)[:, None] * K + o_k[None, :]
+        b_ds = tl.load(pds + o_s, mask=m_h[:, None] & m_kk[None, :], other=0.0)  # [BLOCK_H, BLOCK_K] (L1 / L2 hit)
+        b_acc_v = _mac(tl.trans(b_dsp), b_qdo, b_acc_v, IEEE)
+        b_acc_r = _mac(tl.trans(b_ds), b_qr, b_acc_r, IEEE)
+    if DETERMINISTIC:  # contribution rows ordered (chunk token, slot), reduced later in sorted order
+        e = i_c.to(tl.int64) * K + o_k  # [BLOCK_K]
+        m_e = m_kk[:, None]
+        tl.store(dkv + e[:, None] * DQK + o_v[None, :], b_acc_v, mask=m_e & (o_v[None, :] < V))
+        tl.store(dkv + e[:, None] * DQK + V + o_r[None, :], b_acc_r, mask=m_e & (o_r[None, :] < R))
+    else:
+        p_row = dkv + tl.where(m_k, b_idx, 0).to(tl.int64)[:, None] * DQK
         tl.atomic_add(p_row + o_v[None, :], b_acc_v, mask=m_k[:, None] & (o_v[None, :] < V), sem="relaxed")
         tl.atomic_add(p_row + V + o_r[None, :], b_acc_r, mask=m_k[:, None] & (o_r[None, :] < R), sem="relaxed")
 
@@ -316,6 +386,14 @@ FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2)
 BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2)
 BWD_DKV_CFG = dict(block_h=32, block_k=32, num_warps=8, num_stages=1)
 BWD_FUSED_CFG = dict(block_h=32, block_k=16, num_warps=8, num_stages=2)
+# variant="scratch" (opt-in, not timed yet): the dkv kernel that contracts the dq kernel's stored P / dS.
+# BLOCK_K 64 keys = one wgmma M; BLOCK_H 32 heads per step keeps two pipeline stages of the q / dO tiles
+# in smem (bench/check_sparse_mla.py --resources, bench/NOTES_sparse_mla.md session 5).
+BWD_SCRATCH_CFG = dict(block_h=32, block_k=64, num_warps=8, num_stages=2)
+# Scratch budget of the "scratch" variant: P and dS for a chunk of tokens, 2 x [chunk, N, k] in q's dtype.
+# 256 MiB = 256 tokens at N = 128, k = 2048 (bf16); never O(T).
+SCRATCH_BYTES = 256 << 20
+BWD_VARIANTS = (None, "scratch")
 # split=None picks the fused backward up to this many heads: per-kernel profile at T = 16K, k = 2048
 # (bench/sparse_bwd_parts.py, bench/results/sparse_bwd_parts.csv): N = 16 fused 64 ms vs split 109
 # (dq 22 + dkv 86: the dkv kernel's 16-head M tile wastes its MMA); N = 64 split 150 vs fused 172;
@@ -341,12 +419,36 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None,
     return out, lse
 
 
+def check_bwd_variant(variant, chunk_tokens, split=None, where="sparse_mla_bwd", names=("variant", "chunk_tokens")):
+    """ValueError naming the bad argument (the public op calls this at forward time with its own names)."""
+    v_name, c_name = names
+    if variant not in BWD_VARIANTS:
+        raise ValueError(f"{where}: unknown {v_name} {variant!r}; expected one of {BWD_VARIANTS}")
+    if chunk_tokens is not None:
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ValueError(f"{where}: {c_name} must be a positive int or None, got {chunk_tokens!r}")
+        if variant != "scratch":
+            raise ValueError(f"{where}: {c_name} only applies to {v_name}='scratch', got {v_name}={variant!r}")
+    if variant == "scratch" and split is not None:
+        raise ValueError(f"{where}: {v_name}='scratch' chooses its own kernels; pass split=None, got {split!r}")
+
+
+def scratch_chunk_tokens(T: int, N: int, K: int, elem_bytes: int, chunk_tokens=None) -> int:
+    """Tokens per chunk of the scratch variant: P + dS = 2 * chunk * N * K elements <= SCRATCH_BYTES."""
+    return max(1, min(T, chunk_tokens or SCRATCH_BYTES // max(1, 2 * N * K * elem_bytes)))
+
+
 def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deterministic=False, split=None,
-                   dq_cfg=None, dkv_cfg=None, fused_cfg=None, buf_elems=1 << 27, dq_over_q=False):
+                   dq_cfg=None, dkv_cfg=None, fused_cfg=None, buf_elems=1 << 27, dq_over_q=False,
+                   variant=None, chunk_tokens=None, scratch_cfg=None):
     """Gradients (dq [T, N, Dqk] in q's dtype, dkv fp32 [S, Dqk]) from the saved out / lse.
 
     ``split=True``: dq kernel + per-token dkv kernel (see the module docstring); ``split=False``: the
     fused kernel; ``None`` (default): fused for N <= FUSED_MAX_HEADS, split above (H200 profile).
+    ``variant="scratch"`` (opt-in, any N): per chunk of ``chunk_tokens`` tokens (default: P + dS within
+    SCRATCH_BYTES), the dq kernel also stores dS and P ([chunk, 2, N, k], q's dtype) and a dkv kernel
+    contracts them over heads without recomputing S and dP (2752 instead of 3840 MACs per head-key);
+    ``scratch_cfg`` overrides BWD_SCRATCH_CFG for that dkv kernel, ``dq_cfg`` applies to its dq kernel.
     ``*_cfg``: dicts of block_h / block_k / num_warps / num_stages overriding the defaults.
     ``bench/check_sparse_mla.py --resources`` reports smem / spills per config offline.
     ``dq_over_q``: the caller no longer needs q: the fused path writes dq into q's storage (each program
@@ -357,6 +459,9 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     T, N, DQK = q.shape
     S = kv.shape[0]
     K = idx.shape[1]
+    check_bwd_variant(variant, chunk_tokens, split)
+    if variant == "scratch":
+        split = True  # its dkv kernel reads q after the dq kernel, as in split: dq never goes over q
     if split is None:
         split = N > FUSED_MAX_HEADS
     dout = dout.to(q.dtype).contiguous()  # the kernel's dots need one operand dtype
@@ -380,10 +485,15 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     bh = _block_h(N, c1.get("block_h"))
     n_hb = triton.cdiv(N, bh)
     dlse_c = dlse.float().contiguous() if dlse is not None else lse  # placeholder pointer when absent
+    dq_launch = dict(BLOCK_H=bh, BLOCK_K=16 if interp else c1["block_k"], HAS_DLSE=dlse is not None, **meta,
+                     num_warps=c1["num_warps"], num_stages=c1["num_stages"])
+    if variant == "scratch":
+        return _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta, deterministic,
+                            dq_launch, n_hb, dict(BWD_SCRATCH_CFG, **(scratch_cfg or {})), interp,
+                            chunk_tokens, buf_elems)
     _sparse_mla_bwd_dq_kernel[(T * n_hb,)](
-        q, kv, idx, out, dout, lse, dlse_c, delta, dq, *args, N, n_hb, BLOCK_H=bh,
-        BLOCK_K=16 if interp else c1["block_k"], HAS_DLSE=dlse is not None, **meta,
-        num_warps=c1["num_warps"], num_stages=c1["num_stages"])
+        q, kv, idx, out, dout, lse, dlse_c, delta, dq, delta, 0, *args, N, n_hb, SCRATCH=False,
+        **dq_launch)  # pds: a placeholder pointer (SCRATCH=False never touches it)
     c2 = dict(BWD_DKV_CFG, **(dkv_cfg or {}))
     bh2 = min(_block_h(N), c2.get("block_h") or 64)  # never more head rows than N needs (N = 16: 16, not 32)
     bk2 = 16 if interp else c2["block_k"]
@@ -400,6 +510,36 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
         _sparse_mla_bwd_dkv_kernel[((r1 - r0) * n_kb,)](q, kv, idx, dout, lse, delta, buf, r0, *args, N, n_kb,
                                                         DETERMINISTIC=True, **launch)
         deterministic_scatter_add_(dkv, idx[r0:r1].reshape(-1), buf[: (r1 - r0) * K])
+    return dq, dkv
+
+
+def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta, deterministic, dq_launch, n_hb,
+                 cfg, interp, chunk_tokens, buf_elems):
+    """variant="scratch": per token chunk, dq kernel (+ P / dS stores) then the dkv contraction kernel."""
+    T, N, DQK = q.shape
+    K = idx.shape[1]
+    rows = scratch_chunk_tokens(T, N, K, q.element_size(), chunk_tokens)
+    if deterministic:  # one contribution buffer per chunk, within buf_elems
+        rows = min(rows, max(1, buf_elems // max(1, K * DQK)))
+        buf = torch.empty(rows * K, DQK, dtype=torch.float32, device=q.device)
+    # _alloc: tests fill the scratch with NaN, so a dS / P element the dq kernel misses fails them
+    pds = _alloc(rows, 2, N, K, dtype=q.dtype, device=q.device)  # [chunk, 2 (dS, P), N, K]
+    bh = min(_block_h(N), cfg.get("block_h") or 64)
+    bk = 16 if interp else cfg["block_k"]
+    n_kb = triton.cdiv(K, bk)
+    launch = dict(BLOCK_H=bh, BLOCK_K=bk, NHB=triton.cdiv(N, bh), DQK=DQK, V=meta["V"], R=meta["R"], K=K,
+                  BLOCK_V=meta["BLOCK_V"], BLOCK_R=meta["BLOCK_R"], IEEE=meta["IEEE"], EVEN=meta["EVEN"],
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    for r0 in range(0, T, rows):
+        r1 = min(T, r0 + rows)
+        _sparse_mla_bwd_dq_kernel[((r1 - r0) * n_hb,)](
+            q, kv, idx, out, dout, lse, dlse_c, delta, dq, pds, r0, *args, N, n_hb, SCRATCH=True,
+            **dq_launch)
+        _sparse_mla_bwd_dkv_scratch_kernel[((r1 - r0) * n_kb,)](
+            q, idx, dout, pds, buf if deterministic else dkv, r0, N, n_kb, DETERMINISTIC=deterministic,
+            **launch)
+        if deterministic:
+            deterministic_scatter_add_(dkv, idx[r0:r1].reshape(-1), buf[: (r1 - r0) * K])
     return dq, dkv
 
 

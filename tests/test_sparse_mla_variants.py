@@ -1,0 +1,180 @@
+"""Opt-in backward variants of the sparse MLA kernels (``sparse_mla_bwd(variant=...)``) against the
+reference and against the default backward, under the Triton interpreter at tiny fp32 shapes.
+
+"scratch": per chunk of tokens the dq kernel also stores dS and P ([chunk, 2, N, k]) and a dkv kernel
+contracts them over heads without recomputing the logits. Cases: -1 padding anywhere in a row, a row
+with no valid key, a row with exactly one, duplicate-free rows, heads not a power of two (and more
+than one head block), T not a multiple of the chunk, no rope tail, dlse given or not, the
+deterministic reduction (also with a buffer smaller than a chunk), and argument errors.
+Kernel outputs and the scratch start as NaN, so an element a kernel fails to write fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hyscale_kernels.sparse_mla import sparse_mla
+from hyscale_kernels.sparse_mla import kernel as km
+from hyscale_kernels.sparse_mla.reference import sparse_mla_reference
+
+needs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                                  reason="needs CUDA or TRITON_INTERPRET=1")
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(autouse=True)
+def _nan_outputs(monkeypatch):
+    """dq, the forward outputs and the P / dS scratch start as NaN (all go through kernel._alloc)."""
+    monkeypatch.setattr(km, "_alloc", lambda *s, dtype, device: torch.full(s, float("nan"), dtype=dtype, device=device))
+
+
+def _case(T, N, V, R, S, K, seed):
+    """fp32 inputs; duplicate-free rows with -1 padding, row 0 empty, row 1 with exactly one key."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, N, V + R, generator=gen)
+    kv = torch.randn(S, V + R, generator=gen)
+    idx = torch.stack([torch.randperm(S, generator=gen)[:K] for _ in range(T)]).int()
+    idx[:, ::3] = -1  # padding spread over the row
+    idx[0] = -1
+    idx[1] = -1
+    idx[1, K // 2] = S - 1
+    assert all(len(set(r[r >= 0].tolist())) == int((r >= 0).sum()) for r in idx)  # duplicate-free
+    do = torch.randn(T, N, V, generator=gen)
+    dl = torch.randn(T, N, generator=gen)
+    return q, kv, idx, do, dl
+
+
+def _reference_grads(q, kv, idx, scale, V, do, dl):
+    a, b = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out, lse = sparse_mla_reference(a, b, idx, scale, V)
+    loss = (out * do).sum()
+    if dl is not None:
+        fin = torch.isfinite(lse)
+        loss = loss + (lse[fin] * dl[fin]).sum()
+    loss.backward()
+    return out.detach(), lse.detach(), a.grad, b.grad
+
+
+def _check_variant(T, N, V, R, S, K, chunk, deterministic=False, with_dlse=True, seed=0, **kw):
+    q, kv, idx, do, dl = _case(T, N, V, R, S, K, seed)
+    dl = dl if with_dlse else None
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 0.3, V)
+    r_out, r_lse, r_dq, r_dkv = _reference_grads(q, kv, idx, 0.3, V, do, dl)
+    torch.testing.assert_close(out, r_out, **TOL)
+    torch.testing.assert_close(lse, r_lse, **TOL)
+    assert torch.equal(lse[0], torch.full((N,), float("-inf"))) and torch.equal(out[0], torch.zeros(N, V))
+    torch.testing.assert_close(out[1], kv[S - 1, :V].expand(N, V), **TOL)  # one key: out = its value
+    dq, dkv = km.sparse_mla_bwd(q, kv, idx, out, lse, do, dl, 0.3, V, deterministic=deterministic,
+                                variant="scratch", chunk_tokens=chunk, **kw)
+    d_dq, d_dkv = km.sparse_mla_bwd(q, kv, idx, out, lse, do, dl, 0.3, V, deterministic=deterministic)
+    for got in (dq, dkv):
+        assert not torch.isnan(got).any()
+    assert torch.equal(dq[0], torch.zeros_like(dq[0]))  # empty row: no gradient
+    torch.testing.assert_close(dq, r_dq, **TOL)
+    torch.testing.assert_close(dkv, r_dkv, **TOL)
+    torch.testing.assert_close(dq, d_dq, **TOL)  # and the default backward
+    torch.testing.assert_close(dkv, d_dkv, **TOL)
+    return dq, dkv
+
+
+@needs_triton
+@pytest.mark.parametrize("T,N,V,R,S,K,chunk", [
+    (5, 5, 32, 16, 40, 37, None),  # heads not a power of two, several 16-key blocks, K % 16 != 0
+    (7, 70, 32, 16, 30, 20, 3),  # three 32-head blocks (last partial); T = 7 not a multiple of 3
+    (6, 16, 32, 16, 50, 40, 4),  # N = 16 (where the default is the fused kernel); T % 4 != 0
+    (3, 3, 32, 0, 12, 9, 2),  # no rope tail (v_dim == Dqk)
+])
+def test_scratch_matches_reference_and_default(T, N, V, R, S, K, chunk):
+    _check_variant(T, N, V, R, S, K, chunk)
+
+
+@needs_triton
+def test_scratch_without_dlse_and_one_token_chunks():
+    _check_variant(4, 6, 32, 16, 20, 12, 1, with_dlse=False, seed=1)
+
+
+@needs_triton
+def test_scratch_deterministic_repeatable():
+    """Sorted dkv reduction per chunk; buf_elems smaller than a chunk's contributions splits it further."""
+    a = _check_variant(5, 20, 32, 16, 24, 18, 4, deterministic=True, seed=2)
+    b = _check_variant(5, 20, 32, 16, 24, 18, 4, deterministic=True, seed=2, buf_elems=2 * 18 * 48)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # same (key, token) order either way
+
+
+@needs_triton
+def test_public_op_threads_the_variant(monkeypatch):
+    """sparse_mla(bwd_variant=..., bwd_chunk_tokens=...) reaches the backward; the default does not."""
+    seen = []
+    real = km.sparse_mla_bwd
+
+    def spy(*a, **k):
+        seen.append({n: k.get(n) for n in ("variant", "chunk_tokens")})
+        return real(*a, **k)
+
+    import hyscale_kernels.sparse_mla as sm
+
+    monkeypatch.setattr(sm, "sparse_mla_bwd", spy)
+    q, kv, idx, do, dl = _case(5, 4, 32, 16, 20, 10, 3)
+    ref = _reference_grads(q, kv, idx, 0.3, 32, do, dl)
+    for kw, want in ((dict(bwd_variant="scratch", bwd_chunk_tokens=2), dict(variant="scratch", chunk_tokens=2)),
+                     ({}, dict(variant=None, chunk_tokens=None))):
+        a, b = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        out, lse = sparse_mla(a, b, idx, 0.3, v_dim=32, **kw)
+        fin = torch.isfinite(lse)
+        ((out * do).sum() + (lse[fin] * dl[fin]).sum()).backward()
+        for got, exp in zip((out, lse, a.grad, b.grad), ref):
+            torch.testing.assert_close(got, exp, **TOL)
+        assert seen[-1] == want
+
+
+def test_bad_arguments_name_the_argument():
+    q, kv, idx = torch.randn(3, 2, 24), torch.randn(5, 24), torch.zeros(3, 4, dtype=torch.int32)
+    out, lse, do = torch.zeros(3, 2, 16), torch.zeros(3, 2), torch.zeros(3, 2, 16)
+    bwd = lambda **kw: km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 0.1, 16, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match="unknown variant 'nope'"):
+        bwd(variant="nope")
+    for bad in (0, -3, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
+            bwd(variant="scratch", chunk_tokens=bad)
+    with pytest.raises(ValueError, match="chunk_tokens only applies to variant='scratch'"):
+        bwd(chunk_tokens=4)
+    with pytest.raises(ValueError, match="pass split=None"):
+        bwd(variant="scratch", split=True)
+    with pytest.raises(ValueError, match="unknown bwd_variant 'fast'"):
+        sparse_mla(q, kv, idx, 0.1, v_dim=16, bwd_variant="fast")
+    with pytest.raises(ValueError, match="bwd_chunk_tokens must be a positive int"):
+        sparse_mla(q, kv, idx, 0.1, v_dim=16, bwd_variant="scratch", bwd_chunk_tokens=0)
+
+
+def test_default_chunk_bounds_the_scratch():
+    """256 MiB of bf16 P + dS: 256 tokens at N = 128, k = 2048; never more tokens than T."""
+    assert km.scratch_chunk_tokens(65536, 128, 2048, 2) == 256
+    assert km.scratch_chunk_tokens(65536, 16, 2048, 2) == 2048
+    assert km.scratch_chunk_tokens(100, 16, 2048, 2) == 100
+    assert km.scratch_chunk_tokens(65536, 128, 2048, 2, chunk_tokens=64) == 64
+    n = km.scratch_chunk_tokens(65536, 128, 2048, 2)
+    assert 2 * n * 128 * 2048 * 2 <= km.SCRATCH_BYTES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [16, 128])
+def test_gpu_scratch_matches_default(N):
+    """bf16 at a real shape: the scratch variant against the default backward (same bf16 operands)."""
+    T, S, K = 1024, 3072, 2048
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(T, N, 576, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(S, 576, device="cuda", generator=gen).bfloat16()
+    sc = torch.rand(T, S, device="cuda", generator=gen)
+    vis = torch.arange(S, device="cuda")[None, :] <= (S - T + torch.arange(T, device="cuda"))[:, None]
+    v, i = sc.masked_fill(~vis, -1.0).topk(K, dim=-1)
+    idx = i.masked_fill(v < 0, -1).int()
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
+    do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
+    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512)
+    b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, variant="scratch", chunk_tokens=300)
+    for name, x, y in zip(("dq", "dkv"), b, a):
+        err = ((x.float() - y.float()).norm() / y.float().norm()).item()
+        assert err < 1e-2, f"{name}: relative L2 error {err}"
