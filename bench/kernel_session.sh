@@ -11,8 +11,8 @@ OUT=${OUT:-/tmp/kernels}; mkdir -p "$OUT"
 STEPS=${KS_STEPS:-tests parts attn}
 case " $STEPS " in *" tests "*)
   echo "== tests ($(date +%T))"
-  timeout "${KS_TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -x tests/test_sparse_mla.py tests/test_dq_over_query.py \
-    tests/test_indexer_loss_fused.py tests/test_selected_scores.py tests/test_hytopk.py tests/test_hytopk_warmstart.py tests/test_replay.py 2>&1 \
+  timeout "${KS_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -x tests/test_sparse_mla.py tests/test_dq_over_query.py \
+    tests/test_indexer_loss_fused.py tests/test_selected_scores.py tests/test_hytopk.py tests/test_hytopk_warmstart.py tests/test_hytopk_search2.py tests/test_hytopk_append.py tests/test_sparse_mla_variants.py tests/test_replay.py 2>&1 \
     | grep -E "passed|failed|FAILED|ERROR|Error|assert" | tail -15;;
 esac
 case " $STEPS " in *" parts "*)

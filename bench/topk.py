@@ -58,7 +58,7 @@ p.add_argument("--sweep-S", type=int, default=65536)
 p.add_argument("--check-specs", default=None, help="check only these spec numbers (comma list, 0-based)")
 p.add_argument("--check-variants", default=None,
                help="';'-separated json Config overrides compared bit for bit to the default in the check "
-                    "(default: the warm-start variants); skips the reference row check")
+                    "(default: warm start off / 1024, append pair / mask); skips the reference row check")
 p.add_argument("--config", default=None, help="json Config fields for every HyTopK/floor call")
 p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (script check)")
 p.add_argument("--resources", action="store_true",
@@ -70,8 +70,11 @@ if args.smoke:
 
 
 def resources(cfgs, H=64, D=128, kk=2048):
-    """AOT-compile HyTopK for sm_90a (no GPU): one line per config. 'key loop LDL/STL' counts the
-    local-memory (spill) instructions inside the innermost SASS loop holding the main loop's HGMMA."""
+    """AOT-compile HyTopK for sm_90a (no GPU): one line per config (a ("floor", cfg) entry compiles the
+    no-selection floor, SELECT=False). 'key loop' is the innermost SASS loop holding the main loop's
+    HGMMA: its instructions, local-memory (spill) LDL/STL, BAR.SYNC, LDS and STS (shared-memory round
+    trips of layout conversions, scans and cross-warp reductions); '/tile' divides by the key tiles
+    one iteration covers (2 with append="pair")."""
     import re
     import subprocess
     import tempfile
@@ -90,11 +93,15 @@ def resources(cfgs, H=64, D=128, kk=2048):
     sig = {a: sig[a] for a in names if a in sig}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
     for i, cfg in enumerate(cfgs):
+        select = not (isinstance(cfg, tuple) and cfg[0] == "floor")
+        cfg = cfg if select else cfg[1]
         R, cap, chunk, min_free, d_p2 = op._geometry(H, D, kk, cfg)
-        warm, chunk_w = op._warm_geometry(cap, chunk, cfg)
+        warm, chunk_w = op._warm_geometry(cap, chunk, cfg) if select else (0, 1)
+        pair = select and cfg.append == "pair"
         const = dict(H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
-                     RELU=True, SELECT=True, WRITE_SCORES=False, IEEE=False, WHILE_LOOPS=False,
-                     SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w, WARM_Z=op.WARM_Z, WARM_MIN=op.WARM_MIN)
+                     RELU=True, SELECT=select, WRITE_SCORES=False, IEEE=False, WHILE_LOOPS=False,
+                     SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w, WARM_Z=op.WARM_Z, WARM_MIN=op.WARM_MIN,
+                     APPEND=op.APPENDS.index(cfg.append) if select else 0)
         try:
             t0 = time.time()
             kern = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const, attrs),
@@ -124,17 +131,26 @@ def resources(cfgs, H=64, D=128, kk=2048):
                     loops.append((t, j))
             inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
             a, b = max(inner, key=lambda lp: lp[0]) if inner else (0, -1)  # the last innermost one: the key loop
-            spill = sum(("LDL" in x or "STL" in x) for x in lines[a:b + 1])
-            print(f"#{i} {cfg}: {time.time() - t0:.0f}s smem {kern.metadata.shared} B, cp.async "
-                  f"{'cp.async' in kern.asm['ptx']}; {info}; key loop {b - a + 1} instrs, LDL/STL {spill}",
+            loop = [re.sub(r"^.*?\*/\s*(@!?U?P\w+\s+)?", "", x) for x in lines[a:b + 1]]  # opcode first
+            n = {op_: sum(x.startswith(op_) for x in loop) for op_ in ("LDL", "STL", "BAR.SYNC", "LDS", "STS")}
+            step = 2 if pair else 1
+            name = f"floor {cfg}" if not select else str(cfg)
+            print(f"#{i} {name}: {time.time() - t0:.0f}s smem {kern.metadata.shared} B, cp.async "
+                  f"{'cp.async' in kern.asm['ptx']}; {info}; key loop {len(loop)} instrs, LDL/STL "
+                  f"{n['LDL'] + n['STL']}, BAR.SYNC {n['BAR.SYNC']}, LDS {n['LDS']}, STS {n['STS']}"
+                  + (f" (per tile: {len(loop) / step:.0f} instrs, LDL/STL {(n['LDL'] + n['STL']) / step:g}, BAR.SYNC "
+                     f"{n['BAR.SYNC'] / step:g}, LDS {n['LDS'] / step:g}, STS {n['STS'] / step:g})" if step > 1 else ""),
                   flush=True)
         except Exception as exc:  # noqa: BLE001
             print(f"#{i} {cfg}: compile failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
 
-if args.resources:  # the default launch (warm start 512), warm start off, a larger sample
+if args.resources:  # the default launch (warm start 512), warm start off, a larger sample, the append
+    # variant (with and without warm start), and the no-selection floor
     _base = Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=2, programs_per_sm=2)
-    resources([_base, replace(_base, warm_start=0), replace(_base, warm_start=1024)])
+    resources([_base, replace(_base, warm_start=0), replace(_base, warm_start=1024), replace(_base, append="pair"),
+               replace(_base, append="pair", warm_start=0), replace(_base, append="mask"),
+               replace(_base, append="mask", warm_start=0), ("floor", _base)])
     sys.exit(0)
 
 os.makedirs(args.out, exist_ok=True)
@@ -332,9 +348,15 @@ def _scores_at(q, w, k, idx, relu):
 
 def warm_cfgs(base):
     """Warm-start variants of a launch config that the check and the sweep run."""
-    # warm_start=512 is the default since session 4; compare it against off and a larger sample
-    # (search_bits=2 is refused on the GPU: op.check_config)
-    return [replace(base, warm_start=0), replace(base, warm_start=1024)]
+    # warm_start=512 is the default since session 4; compare it against off and a larger sample, and
+    # the 2-bit radix select (its bit-1 bug fixed in session 5: re-check it is bit-identical, then time it)
+    return [replace(base, warm_start=0), replace(base, warm_start=1024), replace(base, search_bits=2)]
+
+
+def variant_cfgs(base):
+    """Exact variants the check compares bit for bit to the default: warm start off / larger, and
+    Config.append "pair" / "mask" (session 5: one append per two key tiles / bit-mask append)."""
+    return warm_cfgs(base) + [replace(base, append="pair"), replace(base, append="mask")]
 
 
 WARM_CHECK_SPECS = (0, 1, 2, 4)  # causal relu, identity w+-, packed, QSA H4
@@ -348,7 +370,7 @@ def check_warm(name, q, w, k, st, en, kk, relu):
     base = default_config(q.shape[1], kk, interpret=args.smoke)
     ref_i, ref_v = hytopk(q, w, k, st, en, kk, relu=relu, return_scores=True, config=base)
     out = []
-    variants = warm_cfgs(base)[:2] if args.smoke else warm_cfgs(base)
+    variants = variant_cfgs(base)
     if args.check_variants:
         variants = [replace(base, **json.loads(v)) for v in args.check_variants.split(";")]
     for cfg in variants:
@@ -360,7 +382,7 @@ def check_warm(name, q, w, k, st, en, kk, relu):
         # scores of the variant vs the default where both picked the same slot index: rounding only?
         same = (i1 == ref_i) & (i1 >= 0)
         max_rel = float(((v1 - ref_v).abs() / ref_v.abs().clamp_min(1e-30))[same].max()) if same.any() else 0.0
-        res = dict(check=f"{name} warm_start={cfg.warm_start} search_bits={cfg.search_bits}",
+        res = dict(check=f"{name} warm_start={cfg.warm_start} search_bits={cfg.search_bits} append={cfg.append}",
                    equal_to_default=bool(torch.equal(i1, ref_i) and torch.equal(v1, ref_v)),
                    rows_idx_differ=int(idx_rows.sum()), rows_scores_differ=int(val_rows.sum()),
                    same_slot_score_max_rel=max_rel,
@@ -417,7 +439,9 @@ SWEEP = [
     Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=3, programs_per_sm=2),
     Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=2, programs_per_sm=2, warm_start=0),
 ]
-SWEEP += warm_cfgs(SWEEP[0])[1:]  # cfg6: a larger warm-start sample
+SWEEP += [replace(SWEEP[0], warm_start=1024)]  # cfg6: a larger warm-start sample
+SWEEP += [replace(SWEEP[0], append="pair"), replace(SWEEP[0], append="mask")]  # cfg7, cfg8 (session 5)
+SWEEP += [replace(SWEEP[0], search_bits=2), replace(SWEEP[0], search_bits=2, append="mask")]  # cfg9, cfg10
 BEST = {}
 if "sweep" in args.parts:
     S = 64 if args.smoke else args.sweep_S
@@ -429,9 +453,12 @@ if "sweep" in args.parts:
         st, en = causal(T, ratio)
         fl = flops(st, en, H)
         sweep = SWEEP if H == 64 else [SWEEP[0], SWEEP[2], SWEEP[1], replace(SWEEP[2], warm_start=0),
-                                       replace(SWEEP[2], warm_start=1024)]
+                                       replace(SWEEP[2], warm_start=1024), replace(SWEEP[2], append="pair"),
+                                       replace(SWEEP[2], append="mask")]
         if args.smoke:
-            sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0)]
+            sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
+                     replace(default_config(H, kk, interpret=True), append="pair"),
+                     replace(default_config(H, kk, interpret=True), append="mask")]
         for i, cfg in enumerate(sweep):
             if left() < 200:
                 log("sweep: time budget, stopping")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 INT32_MIN = tl.constexpr(-2147483648)
 INT32_MAX = tl.constexpr(2147483647)
@@ -100,24 +101,23 @@ def _count_ge3(key_rows, cnt, b1, b2, b3, o_h, R: tl.constexpr, CAP: tl.constexp
 
 @triton.jit
 def _kth_key2(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
-    """_kth_key with two bits per pass (16 + 1 passes instead of 32) over unrolled chunks.
+    """_kth_key with two bits per pass (16 passes instead of 32) over unrolled chunks.
 
     Radix select two bits per pass from the top, in the biased (unsigned-order) domain: keep
     the largest prefix with at least kk keys >= it. Padding (INT32_MIN) never counts: every
-    candidate bound is above it. Bit 0 is decided in a last one-candidate pass.
+    candidate bound is above it. (Until session 5 the passes stopped at bits (3, 2) and a last
+    pass decided bit 0 only: bit 1 was never set, the cause of the H200 mismatch;
+    tests/test_hytopk_search2.py.)
     """
     pre = tl.zeros_like(cnt)  # [R] biased prefix
     one = tl.full([R], 1, dtype=tl.int32)  # int32 shifts: bit 31 wraps to INT32_MIN, as meant
-    for i_b in range(30, 0, -2):  # bits (i_b + 1, i_b)
+    for i_b in range(30, -1, -2):  # bits (i_b + 1, i_b): (31, 30) ... (1, 0), all 32
         a1 = pre | (one << i_b)
         a2 = pre | ((one << i_b) << 1)
         a3 = a2 | a1
         n1, n2, n3 = _count_ge3(key_rows, cnt, a1 ^ INT32_MIN, a2 ^ INT32_MIN, a3 ^ INT32_MIN, o_h,
                                 R, CAP, CHUNK)
         pre = tl.where(n3 >= kk, a3, tl.where(n2 >= kk, a2, tl.where(n1 >= kk, a1, pre)))
-    a1 = pre | 1
-    n1, n2, n3 = _count_ge3(key_rows, cnt, a1 ^ INT32_MIN, a1 ^ INT32_MIN, a1 ^ INT32_MIN, o_h, R, CAP, CHUNK)
-    pre = tl.where(n1 >= kk, a1, pre)
     return pre ^ INT32_MIN
 
 
@@ -208,6 +208,80 @@ def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, ke
 
 
 @triton.jit
+def _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr,
+               R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr):
+    """Key tile i_n scored as in _key_tile: int32 keys [BLOCK_N, R], INT32_MIN where not visible."""
+    o_s = lo + i_n * BLOCK_N + o_n  # [BLOCK_N] key indices
+    m_s = o_s < hi
+    b_k = tl.load(k_ptr + o_s.to(tl.int64)[:, None] * D + o_d[None, :],
+                  mask=m_s[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
+    sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE)  # [BLOCK_N, R]
+    m_vis = (o_s[:, None] >= b_start[None, :]) & (o_s[:, None] < b_end[None, :])  # [BLOCK_N, R]
+    return tl.where(m_vis, _score_to_key(sc), INT32_MIN)
+
+
+@triton.jit
+def _key_pair(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows, o_n, o_d, m_d,
+              H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
+              IEEE: tl.constexpr):
+    """Key tiles i_n and i_n + 1 (Config.append="pair"): score both, then one append on [2 * BLOCK_N, R].
+
+    The append's cost is mostly fixed per call (layout conversions of the scores out of the MMA
+    layout, shared-memory round trips, barriers), so it is paid once per two tiles. Same candidates,
+    same order as two _key_tile calls: the threshold does not move inside a segment."""
+    b_key0 = _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
+                        H, D, R, BLOCK_N, RELU, IEEE)  # [BLOCK_N, R]
+    b_key1 = _tile_keys(i_n + 1, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
+                        H, D, R, BLOCK_N, RELU, IEEE)  # [BLOCK_N, R]
+    # [BLOCK_N, R, 2] -> [2, BLOCK_N, R] -> [2 * BLOCK_N, R]: tile i_n's keys, then tile i_n + 1's
+    key = tl.reshape(tl.permute(tl.join(b_key0, b_key1), (2, 0, 1)), [2 * BLOCK_N, R])
+    o_s = lo + i_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # [2 * BLOCK_N] key indices
+    m_c = key > thr[None, :]  # strict: a later key that ties the threshold loses
+    pos = cnt[None, :] + tl.cumsum(m_c.to(tl.int32), axis=0) - 1  # [2 * BLOCK_N, R]
+    tl.store(key_rows[None, :] + pos, key, mask=m_c)
+    tl.store(idx_rows[None, :] + pos, o_s[:, None] + tl.zeros_like(pos), mask=m_c)
+    return cnt + tl.sum(m_c.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _popc64(x, HW: tl.constexpr):
+    """Set bits of each int64 [any shape] -> int32: POPC on the GPU; the interpreter has no popc, so
+    a SWAR count on each unsigned 32-bit half there."""
+    if HW:
+        return libdevice.popc(x.to(tl.int32)) + libdevice.popc((x >> 32).to(tl.int32))
+    else:
+        n = tl.zeros(x.shape, dtype=tl.int32)
+        for i_h in tl.static_range(2):
+            v = ((x >> (32 * i_h)) & 0xFFFFFFFF).to(tl.uint32)
+            v = v - ((v >> 1) & 0x55555555)
+            v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+            v = (v + (v >> 4)) & 0x0F0F0F0F
+            n += ((v * 0x01010101) >> 24).to(tl.int32)
+        return n
+
+
+@triton.jit
+def _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows, o_n, o_d, m_d,
+              H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
+              IEEE: tl.constexpr, HW_POPC: tl.constexpr):
+    """Key tile i_n with a bit-mask append (Config.append="mask", BLOCK_N <= 64): no prefix sum.
+
+    Each row's candidates become one int64 mask (bit j = key j of the tile) by a sum over the tile's
+    keys, which stays in the scores' MMA-derived layout (no conversion for a scan); a candidate's
+    slot is cnt + popc(mask & bits below its own). Same slots as the prefix sum of _key_tile."""
+    key = _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
+                     H, D, R, BLOCK_N, RELU, IEEE)  # [BLOCK_N, R]
+    o_s = lo + i_n * BLOCK_N + o_n  # [BLOCK_N] key indices
+    m_c = key > thr[None, :]  # strict: a later key that ties the threshold loses
+    b_bit = tl.full([BLOCK_N, R], 1, tl.int64) << o_n.to(tl.int64)[:, None]  # [BLOCK_N, R] each key's bit
+    b_mask = tl.sum(tl.where(m_c, b_bit, 0), axis=0)  # [R] the row's candidates (bits are distinct)
+    pos = cnt[None, :] + _popc64(b_mask[None, :] & (b_bit - 1), HW_POPC)  # [BLOCK_N, R] earlier candidates
+    tl.store(key_rows[None, :] + pos, key, mask=m_c)
+    tl.store(idx_rows[None, :] + pos, o_s[:, None] + tl.zeros_like(pos), mask=m_c)
+    return cnt + _popc64(b_mask, HW_POPC)
+
+
+@triton.jit
 def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
                  H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, WARM: tl.constexpr,
                  RELU: tl.constexpr, IEEE: tl.constexpr):
@@ -282,8 +356,14 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
 def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows, m_t,
               o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
-              SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr):
-    """The row block's key loop (all its tiles, ascending), compacting between segments."""
+              SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
+              APPEND: tl.constexpr = 0):
+    """The row block's key loop (all its tiles, ascending), compacting between segments.
+
+    APPEND (Config.append): 0 "tile" (_key_tile), 1 "pair" (_key_pair: a step covers two tiles, a
+    last odd tile is paired with one past the row block's keys, fully masked; MIN_FREE >= 2 *
+    BLOCK_N then, op._geometry), 2 "mask" (_key_mask)."""
+    STEP: tl.constexpr = 2 if (APPEND == 1 and SELECT) else 1  # tiles per append
     i_n = 0
     while i_n < n_tiles:
         # a segment of tiles that cannot overflow any row's buffer: the tile loop itself
@@ -296,8 +376,35 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
                                     False, False, R, CAP, CHUNK, SEARCH2)
                 thr = tl.maximum(thr, kth)
                 cnt = tl.minimum(cnt, kk)
-            n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
-        if WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
+            if STEP == 1:
+                n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
+            else:  # whole pairs (>= 1: MIN_FREE >= 2 * BLOCK_N); a last odd tile rounds up
+                n_seg = tl.minimum(tl.cdiv(n_seg, 2), (CAP - tl.max(cnt, axis=0)) // (2 * BLOCK_N)) * 2
+        if STEP == 2:
+            if WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
+                i_e = i_n + n_seg
+                while i_n < i_e:
+                    cnt = _key_pair(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
+                                    o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE)
+                    i_n += 2
+            else:
+                for i_j in range(i_n, i_n + n_seg, 2):
+                    cnt = _key_pair(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
+                                    o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE)
+                i_n += n_seg
+        elif APPEND == 2 and SELECT:
+            if WHILE_LOOPS:
+                i_e = i_n + n_seg
+                while i_n < i_e:
+                    cnt = _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
+                                    o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, not WHILE_LOOPS)
+                    i_n += 1
+            else:
+                for i_j in range(i_n, i_n + n_seg):
+                    cnt = _key_mask(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
+                                    o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, not WHILE_LOOPS)
+                i_n += n_seg
+        elif WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
             i_e = i_n + n_seg
             while i_n < i_e:
                 cnt, thr, b_max = _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr,
@@ -325,6 +432,7 @@ def hytopk_kernel(
     RELU: tl.constexpr, SELECT: tl.constexpr, WRITE_SCORES: tl.constexpr, IEEE: tl.constexpr,
     WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
     WARM: tl.constexpr = 0, CHUNK_W: tl.constexpr = 1, WARM_Z: tl.constexpr = 4.0, WARM_MIN: tl.constexpr = 16,
+    APPEND: tl.constexpr = 0,
 ):
     i_p = tl.program_id(0)
     RH: tl.constexpr = R * H
@@ -373,7 +481,7 @@ def hytopk_kernel(
             while i_pass < n_pass:
                 cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                             key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
-                                            CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2)
+                                            CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND)
                 # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
                 # keep their buffers and append nothing more (no key is > INT32_MAX)
                 fail = on & (cnt < kk)  # [R]; all False after the first pass
@@ -390,7 +498,7 @@ def hytopk_kernel(
         else:
             cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
-                                        CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2)
+                                        CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND)
 
         if SELECT:
             tl.debug_barrier()

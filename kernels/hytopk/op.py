@@ -19,6 +19,7 @@ _IMPLS = ("auto", "triton", "reference")
 _logged_reference = False
 WARM_Z = 4.0  # warm start: sampled quantile this many binomial standard deviations above the k boundary
 WARM_MIN = 16  # warm start: fewest visible sample keys a row needs to use it
+APPENDS = ("tile", "pair", "mask")  # Config.append values (kernel constexpr APPEND = index)
 _warm_stats = None  # int32 [3] of the last warm-start launch (device tensor, read without a sync)
 
 
@@ -39,24 +40,30 @@ class Config:
     cap_mult: int = 2  # candidate slots per row = cap_mult * topk (power of two, >= topk + 2*min free)
     min_free_tiles: int = 4  # compact a row block's buffers when fewer free slots than this many tiles
     sel_chunk: int = 2048  # R * CHUNK elements per step of the select
-    # radix-select bits per counting pass: 1, or 2 (unrolled; interpreter only: on the H200 it picked
-    # a different k-th key in 12 of 12288 rows, see check_config)
+    # radix-select bits per counting pass: 1, or 2 (unrolled; 16 passes). The H200 mismatch of session 4
+    # (12 of 12288 rows) was a bug, bit 1 never decided, fixed in session 5 (tests/test_hytopk_search2.py);
+    # not yet re-timed on the GPU
     search_bits: int = 1
     # sampled warm-start threshold: keys scored per row block before its key loop (rounded up to a
     # power of two, at most CAP); 0 = off. Exact: rows left with fewer than topk candidates are re-run
     # from -inf (see warm_stats()). 512 measured on the H200: 1.28x faster at 64K (149 -> 117 ms,
     # H_I 64, k 2048), output bit-identical to 0 (bench/NOTES_hytopk.md).
     warm_start: int = 512
+    # candidate append in the key loop. "tile": prefix sum per key tile; "pair": two tiles scored, one
+    # prefix sum on [2 * block_n, R] (conversions and barriers paid once per 2 tiles, but twice the K
+    # tile buffers: 133 KB smem at the default launch, 1 CTA/SM); "mask" (block_n <= 64): per-row
+    # candidate bit mask by a sum in the scores' layout + popc, no scan. Exact: output bit-identical.
+    # Not yet timed on the GPU (bench/NOTES_hytopk.md, session 5).
+    append: str = "tile"
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
     """Refuse launch configs that are known to be wrong or meaningless, naming the field to change."""
     check(cfg.search_bits in (1, 2), f"hytopk: Config.search_bits must be 1 or 2, got {cfg.search_bits}")
-    check(interpret or cfg.search_bits == 1,
-          "hytopk: Config.search_bits=2 is disabled on the GPU: on the H200 (Triton 3.6) it selected a different "
-          "top-k in 12 of 12288 rows (bench/topk.py --check-variants; correct under the interpreter). Use "
-          "search_bits=1 (the default).")
     check(cfg.warm_start >= 0, f"hytopk: Config.warm_start must be >= 0 (0 = off), got {cfg.warm_start}")
+    check(cfg.append in APPENDS, f"hytopk: Config.append must be one of {APPENDS}, got {cfg.append!r}")
+    check(cfg.append != "mask" or cfg.block_n <= 64,
+          f"hytopk: Config.append='mask' needs block_n <= 64 (one int64 bit mask per tile), got {cfg.block_n}")
 
 
 def _pow2_ceil(x: int) -> int:
@@ -87,9 +94,14 @@ def warm_sample_positions(lo: int, hi: int, warm: int) -> list[int]:
 
 
 def _geometry(H: int, D: int, topk: int, cfg: Config):
-    """(R, CAP, CHUNK, MIN_FREE, D_P2): rows per program, slots per row, select chunk, free floor."""
+    """(R, CAP, CHUNK, MIN_FREE, D_P2): rows per program, slots per row, select chunk, free floor.
+
+    CAP >= topk + 2 * min_free_tiles * block_n, so a compaction always leaves >= 2 tiles free; the
+    kernel compacts below MIN_FREE free slots, at least one append step (2 tiles with append="pair")."""
     min_free = cfg.min_free_tiles * cfg.block_n
     cap = _pow2_ceil(max(cfg.cap_mult * topk, topk + 2 * min_free))
+    if cfg.append == "pair":
+        min_free = max(min_free, 2 * cfg.block_n)
     R = max(1, cfg.rows_x_heads // H)
     R = 1 << (R.bit_length() - 1)  # power of two
     chunk = max(1, min(cap, cfg.sel_chunk // R))
@@ -139,7 +151,7 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
         H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
         RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(select and return_scores),
         IEEE=q.dtype == torch.float32, WHILE_LOOPS=interp, SEARCH2=cfg.search_bits == 2,
-        WARM=warm, CHUNK_W=chunk_w, WARM_Z=WARM_Z, WARM_MIN=WARM_MIN,
+        WARM=warm, CHUNK_W=chunk_w, WARM_Z=WARM_Z, WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if warm:

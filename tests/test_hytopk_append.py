@@ -1,0 +1,198 @@
+"""HyTopK's opt-in append variants against the default per-tile append (Config.append="tile") and the
+PyTorch reference: "pair" (two key tiles scored, one prefix-sum append on [2 * block_n, R]) and "mask"
+(per-row candidate bit mask + popc instead of the prefix sum).
+
+CPU: the Triton kernel runs in the interpreter at tiny fp32 shapes (tests/conftest.py sets
+TRITON_INTERPRET=1 when there is no CUDA); re-run in a subprocess if this process imported the
+kernel without it. Every case asserts (1) indices and returned scores bit-identical to the default
+config's, (2) index sets equal to the reference's (exact: fp32, no near ties at these seeds), and
+(3) that the variant's path really ran (spies on the kernel's _key_pair / _key_mask count calls).
+
+Geometry with the interpreter configs: block_n = 16, so S = 45 is 3 tiles (a pair, then a last
+odd tile paired with a fully masked one); topk = 5..10 gives CAP = 64 slots per row, so rows with
+more than ~48 visible keys compact inside the key loop (at pair boundaries).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyscale_kernels.hytopk import _kernel, hytopk, interpreter_active, op
+from hyscale_kernels.hytopk.op import Config, default_config
+from hyscale_kernels.hytopk.reference import causal_bounds, hytopk_reference, packed_causal_bounds
+from interp_rerun import rerun_under_interpreter
+
+INTERP = interpreter_active()
+interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
+
+
+def _inputs(T, S, H, D=16, seed=0, w_sign=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, D, generator=g)
+    k = torch.randn(S, D, generator=g)
+    w = torch.randn(T, H, generator=g)
+    return q, (w if w_sign else w.abs()), k
+
+
+VARIANT_FN = {"pair": "_key_pair", "mask": "_key_mask"}  # Config.append -> the kernel function it runs
+
+
+@pytest.fixture(params=sorted(VARIANT_FN))
+def variant(request, monkeypatch):
+    """(Config.append value, calls per kernel function): the interpreter runs the jit functions as
+    Python, looked up in the kernel module at call time, so a wrapper there sees every call."""
+    calls = {name: [] for name in VARIANT_FN.values()}
+    for name in VARIANT_FN.values():
+        inner = getattr(_kernel, name)
+
+        def spy(*args, _inner=inner, _name=name, **kwargs):
+            calls[_name].append(1)
+            return _inner(*args, **kwargs)
+
+        monkeypatch.setattr(_kernel, name, spy)
+    return request.param, calls
+
+
+def _check(q, w, k, st, en, topk, relu, cfg, variant):
+    """The variant equals cfg (append="tile") bit for bit and the reference as sets."""
+    append, calls = variant
+    assert cfg.append == "tile"
+    for c in calls.values():
+        c.clear()
+    base_i, base_v = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=cfg)
+    assert not any(calls.values()), "the default config must not take a variant's path"
+    var_i, var_v = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=op.replace(cfg, append=append))
+    assert calls[VARIANT_FN[append]], f"the {append!r} path did not run"
+    assert torch.equal(var_i, base_i), "indices differ from the default append"
+    assert torch.equal(var_v, base_v), "returned scores differ from the default append"
+    ri = hytopk_reference(q, w, k, st, en, topk, relu=relu)
+    n_vis = (en.long() - st.long()).clamp(min=0, max=topk)
+    assert torch.equal((var_i >= 0).sum(1), n_vis), "number of selected keys per row"
+    for t in range(var_i.shape[0]):
+        assert (var_i[t, n_vis[t]:] == -1).all(), f"row {t}: padding"
+        assert set(var_i[t].tolist()) == set(ri[t].tolist()), f"row {t}: index set differs from the reference"
+    return var_i
+
+
+def _interp_cfg(H, topk, **kw):
+    return op.replace(default_config(H, topk, interpret=True), **kw)
+
+
+@interp
+@pytest.mark.parametrize("T,S,H,topk,relu,warm", [(11, 45, 4, 8, True, 0), (11, 50, 2, 5, False, 0),
+                                                  (7, 150, 2, 8, True, 64)])
+def test_causal_ragged(T, S, H, topk, relu, warm, variant):
+    """T, S not multiples of the tile (odd tile counts), CP-style offset, compactions; identity
+    activation with negative weights; warm start on (S = 150 > CAP) and off."""
+    q, w, k = _inputs(T, S, H, seed=T)
+    if not relu:
+        w = -w.abs()
+    st, en = causal_bounds(T, S, offset=S - T)
+    _check(q, w, k, st, en, topk, relu, _interp_cfg(H, topk, warm_start=warm), variant)
+    if warm:
+        assert op.warm_stats()["warm_rows"] == T
+
+
+@interp
+def test_short_and_masked_rows(variant):
+    """Rows with fewer visible keys than topk (-1 padding), fully masked rows, topk > S."""
+    T, S, H, topk = 12, 10, 2, 16
+    q, w, k = _inputs(T, S, H, seed=3)
+    st, en = causal_bounds(T, S)
+    st, en = st.clone(), en.clone()
+    st[4], en[4] = 5, 5
+    st[7], en[7] = 0, 0
+    idx = _check(q, w, k, st, en, topk, True, _interp_cfg(H, topk), variant)
+    assert (idx[4] == -1).all() and (idx[7] == -1).all()
+
+
+@interp
+def test_ties_exact_zeros(variant):
+    """ReLU zeros: most keys score exactly 0 and the top-k boundary falls among them (lowest index
+    wins); the warm start's sampled threshold sits on the zeros too (warm start off: test_causal_ragged)."""
+    T, S, H, D, topk = 6, 130, 2, 16, 8
+    q, w, k = _inputs(T, S, H, D=D, seed=5, w_sign=False)
+    k = k.abs()
+    q = -q.abs()  # every q.k < 0 -> ReLU gives exact zeros ...
+    q[:, :, 0] = 0.0
+    k[::29, 0] = 50.0  # ... except for every 29th key when the row's q[:, :, 0] > 0
+    q[::2, :, 0] = 1.0
+    st, en = causal_bounds(T, S, offset=S - T)
+    _check(q, w, k, st, en, topk, True, _interp_cfg(H, topk, warm_start=64), variant)
+
+
+@interp
+def test_packed_segments_warm_start(variant):
+    """Packed segments (row blocks straddle segments), short and fully masked rows, warm start on."""
+    lens = [70, 3, 90, 6]
+    st, en = packed_causal_bounds(lens)
+    T = sum(lens)
+    q, w, k = _inputs(T, T, 2, seed=2)
+    rows = torch.arange(T)
+    keep = (rows >= 66) & (rows < 75) | (rows >= 160)
+    st, en = st[keep].contiguous(), en[keep].contiguous()
+    q, w = q[keep].contiguous(), w[keep].contiguous()
+    st[3], en[3] = 40, 40
+    st[8], en[8] = 0, 0
+    _check(q, w, k, st, en, 8, True, _interp_cfg(2, 8, warm_start=64), variant)
+
+
+@interp
+def test_warm_start_fallback(variant):
+    """Adversarial sample: every row's sampled threshold is too high, the row block re-runs its key
+    loop from -inf (the variant's path runs in both passes)."""
+    T, S, H, topk, warm = 2, 256, 2, 12, 64
+    g = torch.Generator().manual_seed(7)
+    q = torch.rand(T, H, 16, generator=g) + 0.1
+    w = torch.rand(T, H, generator=g) + 0.1
+    k = torch.randn(S, 16, generator=g)
+    for i, p in enumerate(op.warm_sample_positions(0, S, warm)):
+        k[p] = 100.0 * (torch.rand(16, generator=g) + 0.1) if i % 5 == 0 and i // 5 < 11 else 0.0
+    st = torch.zeros(T, dtype=torch.int32)
+    en = torch.full((T,), S, dtype=torch.int32)
+    _check(q, w, k, st, en, topk, True, _interp_cfg(H, topk, warm_start=warm), variant)
+    assert op.warm_stats()["fallback_rows"] == T
+
+
+@interp
+def test_other_launch_shape(variant):
+    """block_n = 32, 4 rows per program, min_free_tiles = 1 (the pair variant compacts below 2 tiles
+    free instead), 2-bit radix passes."""
+    T, S, H, topk = 11, 70, 4, 8
+    q, w, k = _inputs(T, S, H, seed=13)
+    w[3] = -w[3].abs()
+    st, en = causal_bounds(T, S, offset=S - T)
+    cfg = Config(block_n=32, rows_x_heads=16, num_warps=1, num_stages=1, programs_per_sm=1,
+                 min_free_tiles=1, sel_chunk=64, search_bits=2, warm_start=0)
+    _check(q, w, k, st, en, topk, False, cfg, variant)
+
+
+def test_interpreter_in_subprocess():
+    """Triton imported here without the interpreter: run this file's kernel tests in a fresh process."""
+    rerun_under_interpreter(__file__)
+
+
+def test_config_append_checked():
+    """Config.append: "tile" (the default), "pair" or "mask" (block_n <= 64: one int64 mask per tile);
+    anything else is refused naming the field."""
+    assert Config().append == "tile" and op.APPENDS == ("tile", "pair", "mask")
+    for value in op.APPENDS:
+        op.check_config(Config(append=value), interpret=False)
+    for bad in ("pairs", "", 2, None):
+        with pytest.raises(ValueError, match="Config.append must be one of"):
+            op.check_config(Config(append=bad), interpret=True)
+    with pytest.raises(ValueError, match="append='mask' needs block_n <= 64"):
+        op.check_config(Config(append="mask", block_n=128), interpret=True)
+    op.check_config(Config(append="pair", block_n=128), interpret=True)
+
+
+def test_pair_geometry_keeps_cap():
+    """The pair variant keeps the default's CAP (same buffers, same compaction points modulo the
+    step) and compacts below max(min_free_tiles, 2) tiles free, so one pair always fits after it."""
+    for cfg in (Config(), default_config(4, 8, interpret=True), Config(block_n=32, min_free_tiles=1)):
+        for topk in (8, 512, 2048):
+            R, cap, chunk, mf, d = op._geometry(64, 128, topk, cfg)
+            R2, cap2, chunk2, mf2, d2 = op._geometry(64, 128, topk, op.replace(cfg, append="pair"))
+            assert (R, cap, chunk, d) == (R2, cap2, chunk2, d2)
+            assert mf2 == max(mf, 2 * cfg.block_n) and cap - topk >= mf2
