@@ -185,16 +185,25 @@ def _row_block_scores(b_k, b_qT, b_w, H: tl.constexpr, R: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows,
-              o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
-              RELU: tl.constexpr, SELECT: tl.constexpr, IEEE: tl.constexpr):
-    """One key tile: score it and append each row's new candidates (the caller made room)."""
+def _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr,
+                 R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr):
+    """Key tile i_n: its key indices [BLOCK_N], scores [BLOCK_N, R] and visibility [BLOCK_N, R]."""
     o_s = lo + i_n * BLOCK_N + o_n  # [BLOCK_N] key indices
     m_s = o_s < hi
     b_k = tl.load(k_ptr + o_s.to(tl.int64)[:, None] * D + o_d[None, :],
                   mask=m_s[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
     sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE)  # [BLOCK_N, R]
     m_vis = (o_s[:, None] >= b_start[None, :]) & (o_s[:, None] < b_end[None, :])  # [BLOCK_N, R]
+    return o_s, sc, m_vis
+
+
+@triton.jit
+def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows,
+              o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+              RELU: tl.constexpr, SELECT: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile: score it and append each row's new candidates (the caller made room)."""
+    o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
+                                  H, D, R, BLOCK_N, RELU, IEEE)
     if SELECT:
         key = tl.where(m_vis, _score_to_key(sc), INT32_MIN)  # [BLOCK_N, R]
         m_c = key > thr[None, :]  # strict: a later key that ties the threshold loses
@@ -211,12 +220,8 @@ def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, ke
 def _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr,
                R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr):
     """Key tile i_n scored as in _key_tile: int32 keys [BLOCK_N, R], INT32_MIN where not visible."""
-    o_s = lo + i_n * BLOCK_N + o_n  # [BLOCK_N] key indices
-    m_s = o_s < hi
-    b_k = tl.load(k_ptr + o_s.to(tl.int64)[:, None] * D + o_d[None, :],
-                  mask=m_s[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
-    sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE)  # [BLOCK_N, R]
-    m_vis = (o_s[:, None] >= b_start[None, :]) & (o_s[:, None] < b_end[None, :])  # [BLOCK_N, R]
+    o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
+                                  H, D, R, BLOCK_N, RELU, IEEE)
     return tl.where(m_vis, _score_to_key(sc), INT32_MIN)
 
 
