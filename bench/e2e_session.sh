@@ -50,6 +50,12 @@ case " $STEPS " in *" mem "*)
 # LONGEST_KINDS / LONGEST_SEQS / LONGEST_RUN_S split it over calls (stock's selection takes minutes at 512K+)
 case " $STEPS " in *" longest "*)
   echo "== longest ($(date +%T))"
+  # each run gets LONGEST_RUN_S plus hyscale-longest's 60 s kill grace: an outer limit below that kills the
+  # sweep before it writes longest.csv (session 5 lost a stock 1M attempt that way)
+  if [ "${LONGEST_TIMEOUT:-540}" -lt $(( ${LONGEST_RUN_S:-240} + 65 )) ]; then
+    echo "e2e_session: LONGEST_TIMEOUT=${LONGEST_TIMEOUT:-540} must be >= LONGEST_RUN_S + 65 = $(( ${LONGEST_RUN_S:-240} + 65 ))" >&2
+    exit 2
+  fi
   # both kinds alike: at 512K the caching allocator reserved 113 GB for a 96 GB allocated peak;
   # expandable segments cut that fragmentation (LONGEST_ALLOC_CONF= to run without)
   export PYTORCH_CUDA_ALLOC_CONF=${LONGEST_ALLOC_CONF-expandable_segments:True}
