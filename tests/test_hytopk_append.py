@@ -22,17 +22,10 @@ from hyscale_kernels.hytopk import _kernel, hytopk, interpreter_active, op
 from hyscale_kernels.hytopk.op import Config, default_config
 from hyscale_kernels.hytopk.reference import causal_bounds, hytopk_reference, packed_causal_bounds
 from interp_rerun import rerun_under_interpreter
+from test_hytopk_warmstart import _inputs
 
 INTERP = interpreter_active()
 interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
-
-
-def _inputs(T, S, H, D=16, seed=0, w_sign=True):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(T, H, D, generator=g)
-    k = torch.randn(S, D, generator=g)
-    w = torch.randn(T, H, generator=g)
-    return q, (w if w_sign else w.abs()), k
 
 
 VARIANT_FN = {"pair": "_key_pair", "mask": "_key_mask"}  # Config.append -> the kernel function it runs

@@ -19,6 +19,7 @@ import torch
 from hyscale_kernels.sparse_mla import sparse_mla
 from hyscale_kernels.sparse_mla import kernel as km
 from hyscale_kernels.sparse_mla.reference import sparse_mla_reference
+from test_sparse_mla import _gpu_case
 
 needs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
                                   reason="needs CUDA or TRITON_INTERPRET=1")
@@ -164,13 +165,8 @@ def test_default_chunk_bounds_the_scratch():
 def test_gpu_scratch_matches_default(N):
     """bf16 at a real shape: the scratch variant against the default backward (same bf16 operands)."""
     T, S, K = 1024, 3072, 2048
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(T, N, 576, device="cuda", generator=gen).bfloat16()
-    kv = torch.randn(S, 576, device="cuda", generator=gen).bfloat16()
-    sc = torch.rand(T, S, device="cuda", generator=gen)
-    vis = torch.arange(S, device="cuda")[None, :] <= (S - T + torch.arange(T, device="cuda"))[:, None]
-    v, i = sc.masked_fill(~vis, -1.0).topk(K, dim=-1)
-    idx = i.masked_fill(v < 0, -1).int()
+    q, kv, idx = _gpu_case(T, N, S, K)
+    gen = torch.Generator(device="cuda").manual_seed(1)
     out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
     do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
     a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512)
