@@ -189,3 +189,34 @@ def test_pair_geometry_keeps_cap():
             R2, cap2, chunk2, mf2, d2 = op._geometry(64, 128, topk, op.replace(cfg, append="pair"))
             assert (R, cap, chunk, d) == (R2, cap2, chunk2, d2)
             assert mf2 == max(mf, 2 * cfg.block_n) and cap - topk >= mf2
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the compiled paths the interpreter cannot run (hardware POPC for "mask"; "pair"'s 2-tile
+# MMA pipeline), bit for bit against the default at real shapes in bf16
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("append", ["mask", "pair"])
+@pytest.mark.parametrize("T,S,H,topk,relu,ratio", [
+    (12288, 12288, 64, 2048, True, 1),
+    (6000, 7000, 32, 2048, False, 1),
+    (8192, 2048, 4, 512, True, 4),
+])
+def test_gpu_append_variant_bit_identical(append, T, S, H, topk, relu, ratio):
+    g = torch.Generator(device="cuda").manual_seed(T + H)
+    q = torch.randn(T, H, 128, generator=g, device="cuda").to(torch.bfloat16)
+    k = torch.randn(S, 128, generator=g, device="cuda").to(torch.bfloat16)
+    w = torch.randn(T, H, generator=g, device="cuda")
+    w = w.abs() if relu else w
+    if ratio == 1:
+        st, en = causal_bounds(T, S, offset=S - T, device="cuda")
+    else:
+        t = torch.arange(T, device="cuda")
+        st, en = torch.zeros_like(t, dtype=torch.int32), ((t + 1) // ratio).to(torch.int32)
+    ref_i, ref_v = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True)
+    for _ in range(2):  # deterministic too
+        idx, val = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=Config(append=append))
+        assert torch.equal(idx, ref_i), f"{int((idx != ref_i).any(1).sum())} rows differ"
+        if H > 4:  # H = 4: the head sum may compile to another order (as with the warm start): same sets
+            assert torch.equal(val, ref_v)
