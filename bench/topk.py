@@ -58,7 +58,7 @@ p.add_argument("--sweep-S", type=int, default=65536)
 p.add_argument("--check-specs", default=None, help="check only these spec numbers (comma list, 0-based)")
 p.add_argument("--check-variants", default=None,
                help="';'-separated json Config overrides compared bit for bit to the default in the check "
-                    "(default: warm start off / 1024, append pair / mask); skips the reference row check")
+                    "(default: warm start off / 1024, search_bits 2, append pair / mask); skips the reference row check")
 p.add_argument("--config", default=None, help="json Config fields for every HyTopK/floor call")
 p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (script check)")
 p.add_argument("--resources", action="store_true",

@@ -358,6 +358,23 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
 
 
 @triton.jit
+def _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows, o_n, o_d, m_d,
+                 H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
+                 SELECT: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr, HW_POPC: tl.constexpr):
+    """One step of the key loop from tile i_n: Config.append's way (the floor, SELECT=False, always tiles)."""
+    if APPEND == 1 and SELECT:
+        cnt = _key_pair(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
+                        o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE)
+    elif APPEND == 2 and SELECT:
+        cnt = _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
+                        o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW_POPC)
+    else:
+        cnt, thr, b_max = _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
+                                    key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, SELECT, IEEE)
+    return cnt, thr, b_max
+
+
+@triton.jit
 def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows, m_t,
               o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
@@ -385,42 +402,18 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
                 n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
             else:  # whole pairs (>= 1: MIN_FREE >= 2 * BLOCK_N); a last odd tile rounds up
                 n_seg = tl.minimum(tl.cdiv(n_seg, 2), (CAP - tl.max(cnt, axis=0)) // (2 * BLOCK_N)) * 2
-        if STEP == 2:
-            if WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
-                i_e = i_n + n_seg
-                while i_n < i_e:
-                    cnt = _key_pair(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
-                                    o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE)
-                    i_n += 2
-            else:
-                for i_j in range(i_n, i_n + n_seg, 2):
-                    cnt = _key_pair(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
-                                    o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE)
-                i_n += n_seg
-        elif APPEND == 2 and SELECT:
-            if WHILE_LOOPS:
-                i_e = i_n + n_seg
-                while i_n < i_e:
-                    cnt = _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
-                                    o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, not WHILE_LOOPS)
-                    i_n += 1
-            else:
-                for i_j in range(i_n, i_n + n_seg):
-                    cnt = _key_mask(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
-                                    o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, not WHILE_LOOPS)
-                i_n += n_seg
-        elif WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
+        if WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
             i_e = i_n + n_seg
             while i_n < i_e:
-                cnt, thr, b_max = _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr,
-                                            b_max, key_rows, idx_rows, o_n, o_d, m_d,
-                                            H, D, R, BLOCK_N, RELU, SELECT, IEEE)
-                i_n += 1
+                cnt, thr, b_max = _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
+                                               key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU,
+                                               SELECT, IEEE, APPEND, not WHILE_LOOPS)
+                i_n += STEP
         else:
-            for i_j in range(i_n, i_n + n_seg):
-                cnt, thr, b_max = _key_tile(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr,
-                                            b_max, key_rows, idx_rows, o_n, o_d, m_d,
-                                            H, D, R, BLOCK_N, RELU, SELECT, IEEE)
+            for i_j in range(i_n, i_n + n_seg, STEP):
+                cnt, thr, b_max = _append_step(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
+                                               key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU,
+                                               SELECT, IEEE, APPEND, not WHILE_LOOPS)
             i_n += n_seg
     return cnt, thr, b_max
 
