@@ -5,7 +5,7 @@
 #   3) bench/sparse_attn.py, ours only, at KS_SIZES x KS_HEADS (re-times the attention and loss path);
 #   topk (not in the default): bench/topk.py exact-variant check + 64K config sweep.
 # Usage on the device (carry .whl-tl):  OUT=$OUT bash bench/kernel_session.sh
-# Env: KS_STEPS ("tests parts attn"; add "topk"), KS_TOPK_*, KS_TESTS_TIMEOUT, KS_PARTS_T, KS_SIZES, KS_HEADS, KS_ATTN_BUDGET.
+# Env: KS_STEPS ("tests parts attn"; add "topk"), KS_TOPK_S/CFGS/HEADS/BUDGET/TIMEOUT, KS_TESTS_TIMEOUT, KS_PARTS_T, KS_SIZES, KS_HEADS, KS_ATTN_BUDGET.
 set -u
 source bench/device_env.sh
 OUT=${OUT:-/tmp/kernels}; mkdir -p "$OUT"
@@ -20,9 +20,9 @@ esac
 # (session 5: append mask / pair, search_bits 2 after its fix; bench/NOTES_hytopk.md)
 case " $STEPS " in *" topk "*)
   echo "== topk check + sweep ($(date +%T))"
-  timeout "${KS_TOPK_TIMEOUT:-420}" python3 bench/topk.py --out "$OUT" --parts check,sweep --check-specs 0,1,2,4 \
+  timeout "${KS_TOPK_TIMEOUT:-420}" python3 bench/topk.py --out "$OUT" --parts check,sweep --check-specs "${KS_TOPK_CHECK_SPECS:-0,1,2,4}" \
     --check-variants '{"append":"mask"};{"append":"pair"};{"search_bits":2};{"append":"mask","warm_start":0}' \
-    --sweep-S "${KS_TOPK_S:-65536}" --budget-s "${KS_TOPK_BUDGET:-380}" 2>&1 | grep -v -i warn | grep -E "check|SWEEP|BEST|GPU" | tail -40;;
+    --sweep-S "${KS_TOPK_S:-65536}" --sweep-cfgs "${KS_TOPK_CFGS:-0,7,8,9,10}" --sweep-heads "${KS_TOPK_HEADS:-64}" --budget-s "${KS_TOPK_BUDGET:-380}" 2>&1 | grep -v -i warn | grep -E "check|SWEEP|BEST|GPU" | tail -40;;
 esac
 case " $STEPS " in *" parts "*)
   echo "== bwd parts ($(date +%T))"

@@ -55,6 +55,8 @@ p.add_argument("--stock-max", type=int, default=131072, help="largest S for stoc
 p.add_argument("--stock-heads", default="64,32")
 p.add_argument("--naive-max", type=int, default=16384)
 p.add_argument("--sweep-S", type=int, default=65536)
+p.add_argument("--sweep-cfgs", default=None, help="time only these sweep configs (comma list of cfg numbers)")
+p.add_argument("--sweep-heads", default="64,4", help="sweep shapes: 64 (DeepSeek, k 2048) and/or 4 (QSA-like)")
 p.add_argument("--check-specs", default=None, help="check only these spec numbers (comma list, 0-based)")
 p.add_argument("--check-variants", default=None,
                help="';'-separated json Config overrides compared bit for bit to the default in the check "
@@ -445,7 +447,8 @@ SWEEP += [replace(SWEEP[0], search_bits=2), replace(SWEEP[0], search_bits=2, app
 BEST = {}
 if "sweep" in args.parts:
     S = 64 if args.smoke else args.sweep_S
-    for H, kk, ratio in ((4, 8, 1),) if args.smoke else ((64, 2048, 1), (4, 512, 4)):
+    shapes = [sh for sh in ((64, 2048, 1), (4, 512, 4)) if str(sh[0]) in args.sweep_heads.split(",")]
+    for H, kk, ratio in ((4, 8, 1),) if args.smoke else shapes:
         best = None
         T = S
         Sk = S // ratio
@@ -459,8 +462,11 @@ if "sweep" in args.parts:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
                      replace(default_config(H, kk, interpret=True), append="pair"),
                      replace(default_config(H, kk, interpret=True), append="mask")]
+        keep = None if args.sweep_cfgs is None else {int(x) for x in args.sweep_cfgs.split(",")}
         for i, cfg in enumerate(sweep):
-            if left() < 200:
+            if keep is not None and i not in keep:
+                continue
+            if left() < (200 if "main" in args.parts else 30):  # keep time for the main table
                 log("sweep: time budget, stopping")
                 break
             try:
