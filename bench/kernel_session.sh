@@ -5,24 +5,27 @@
 #   3) bench/sparse_attn.py, ours only, at KS_SIZES x KS_HEADS (re-times the attention and loss path);
 #   topk (not in the default): bench/topk.py exact-variant check + 64K config sweep.
 # Usage on the device (carry .whl-tl):  OUT=$OUT bash bench/kernel_session.sh
-# Env: KS_STEPS ("tests parts attn"; add "topk"), KS_TOPK_S/CFGS/HEADS/BUDGET/TIMEOUT, KS_TESTS_TIMEOUT, KS_PARTS_T, KS_SIZES, KS_HEADS, KS_ATTN_BUDGET.
+# Env: KS_STEPS ("tests parts attn"; add "topk"), KS_TEST_FILES, KS_TOPK_S/CFGS/HEADS/BUDGET/TIMEOUT, KS_TESTS_TIMEOUT, KS_PARTS_T, KS_SIZES, KS_HEADS, KS_ATTN_BUDGET.
 set -u
 source bench/device_env.sh
 OUT=${OUT:-/tmp/kernels}; mkdir -p "$OUT"
 STEPS=${KS_STEPS:-tests parts attn}
 case " $STEPS " in *" tests "*)
   echo "== tests ($(date +%T))"
-  timeout "${KS_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -x tests/test_sparse_mla.py tests/test_dq_over_query.py \
-    tests/test_indexer_loss_fused.py tests/test_selected_scores.py tests/test_hytopk.py tests/test_hytopk_warmstart.py tests/test_hytopk_search2.py tests/test_hytopk_append.py tests/test_sparse_mla_variants.py tests/test_replay.py 2>&1 \
-    | grep -E "passed|failed|FAILED|ERROR|Error|assert" | tail -15;;
+  TESTS=${KS_TEST_FILES:-tests/test_sparse_mla.py tests/test_dq_over_query.py tests/test_indexer_loss_fused.py \
+    tests/test_selected_scores.py tests/test_hytopk.py tests/test_hytopk_warmstart.py tests/test_hytopk_search2.py \
+    tests/test_hytopk_append.py tests/test_sparse_mla_variants.py tests/test_replay.py}
+  # SIGINT at the limit: pytest still prints its summary (a plain kill lost it in session 6); --durations: where time goes
+  timeout -s INT -k 20 "${KS_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -x --durations=8 $TESTS 2>&1 \
+    | grep -E "passed|failed|FAILED|ERROR|Error|assert|[0-9]s (call|setup)" | tail -20;;
 esac
 # topk: HyTopK's exact variants checked bit for bit against the default, then the 64K config sweep
-# (session 5: append mask / pair, search_bits 2 after its fix; bench/NOTES_hytopk.md)
+# (session 6 defaults: append mask, search_bits 2; bench/NOTES_hytopk.md)
 case " $STEPS " in *" topk "*)
   echo "== topk check + sweep ($(date +%T))"
   timeout "${KS_TOPK_TIMEOUT:-420}" python3 bench/topk.py --out "$OUT" --parts check,sweep --check-specs "${KS_TOPK_CHECK_SPECS:-0,1,2,4}" \
-    --check-variants '{"append":"mask"};{"append":"pair"};{"search_bits":2};{"append":"mask","warm_start":0}' \
-    --sweep-S "${KS_TOPK_S:-65536}" --sweep-cfgs "${KS_TOPK_CFGS:-0,7,8,9,10}" --sweep-heads "${KS_TOPK_HEADS:-64}" --budget-s "${KS_TOPK_BUDGET:-380}" 2>&1 | grep -v -i warn | grep -E "check|SWEEP|BEST|GPU" | tail -40;;
+    --check-variants '{"append":"tile"};{"search_bits":1};{"append":"tile","search_bits":1};{"warm_start":0}' \
+    --sweep-S "${KS_TOPK_S:-65536}" --sweep-cfgs "${KS_TOPK_CFGS:-0,1,2,4,10}" --sweep-heads "${KS_TOPK_HEADS:-64}" --budget-s "${KS_TOPK_BUDGET:-380}" 2>&1 | grep -v -i warn | grep -E "check|SWEEP|BEST|GPU" | tail -40;;
 esac
 case " $STEPS " in *" parts "*)
   echo "== bwd parts ($(date +%T))"

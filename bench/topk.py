@@ -60,7 +60,7 @@ p.add_argument("--sweep-heads", default="64,4", help="sweep shapes: 64 (DeepSeek
 p.add_argument("--check-specs", default=None, help="check only these spec numbers (comma list, 0-based)")
 p.add_argument("--check-variants", default=None,
                help="';'-separated json Config overrides compared bit for bit to the default in the check "
-                    "(default: warm start off / 1024, search_bits 2, append pair / mask); skips the reference row check")
+                    "(default: warm start off / 1024, append tile, search_bits 1); skips the reference row check")
 p.add_argument("--config", default=None, help="json Config fields for every HyTopK/floor call")
 p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (script check)")
 p.add_argument("--resources", action="store_true",
@@ -75,8 +75,7 @@ def resources(cfgs, H=64, D=128, kk=2048):
     """AOT-compile HyTopK for sm_90a (no GPU): one line per config (a ("floor", cfg) entry compiles the
     no-selection floor, SELECT=False). 'key loop' is the innermost SASS loop holding the main loop's
     HGMMA: its instructions, local-memory (spill) LDL/STL, BAR.SYNC, LDS and STS (shared-memory round
-    trips of layout conversions, scans and cross-warp reductions); '/tile' divides by the key tiles
-    one iteration covers (2 with append="pair")."""
+    trips of layout conversions, scans and cross-warp reductions) per 64-key tile."""
     import re
     import subprocess
     import tempfile
@@ -99,7 +98,6 @@ def resources(cfgs, H=64, D=128, kk=2048):
         cfg = cfg if select else cfg[1]
         R, cap, chunk, min_free, d_p2 = op._geometry(H, D, kk, cfg)
         warm, chunk_w = op._warm_geometry(cap, chunk, cfg) if select else (0, 1)
-        pair = select and cfg.append == "pair"
         const = dict(H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
                      RELU=True, SELECT=select, WRITE_SCORES=False, IEEE=False, WHILE_LOOPS=False,
                      SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w, WARM_Z=op.WARM_Z, WARM_MIN=op.WARM_MIN,
@@ -135,24 +133,19 @@ def resources(cfgs, H=64, D=128, kk=2048):
             a, b = max(inner, key=lambda lp: lp[0]) if inner else (0, -1)  # the last innermost one: the key loop
             loop = [re.sub(r"^.*?\*/\s*(@!?U?P\w+\s+)?", "", x) for x in lines[a:b + 1]]  # opcode first
             n = {op_: sum(x.startswith(op_) for x in loop) for op_ in ("LDL", "STL", "BAR.SYNC", "LDS", "STS")}
-            step = 2 if pair else 1
             name = f"floor {cfg}" if not select else str(cfg)
             print(f"#{i} {name}: {time.time() - t0:.0f}s smem {kern.metadata.shared} B, cp.async "
                   f"{'cp.async' in kern.asm['ptx']}; {info}; key loop {len(loop)} instrs, LDL/STL "
-                  f"{n['LDL'] + n['STL']}, BAR.SYNC {n['BAR.SYNC']}, LDS {n['LDS']}, STS {n['STS']}"
-                  + (f" (per tile: {len(loop) / step:.0f} instrs, LDL/STL {(n['LDL'] + n['STL']) / step:g}, BAR.SYNC "
-                     f"{n['BAR.SYNC'] / step:g}, LDS {n['LDS'] / step:g}, STS {n['STS'] / step:g})" if step > 1 else ""),
-                  flush=True)
+                  f"{n['LDL'] + n['STL']}, BAR.SYNC {n['BAR.SYNC']}, LDS {n['LDS']}, STS {n['STS']}", flush=True)
         except Exception as exc:  # noqa: BLE001
             print(f"#{i} {cfg}: compile failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
 
-if args.resources:  # the default launch (warm start 512), warm start off, a larger sample, the append
-    # variant (with and without warm start), and the no-selection floor
-    _base = Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=2, programs_per_sm=2)
-    resources([_base, replace(_base, warm_start=0), replace(_base, warm_start=1024), replace(_base, append="pair"),
-               replace(_base, append="pair", warm_start=0), replace(_base, append="mask"),
-               replace(_base, append="mask", warm_start=0), ("floor", _base)])
+if args.resources:  # the default launch (append mask, 2-bit select, warm start 512), warm start off, a larger
+    # sample, the prefix-sum append, 1-bit select, and the no-selection floor
+    _base = Config()
+    resources([_base, replace(_base, warm_start=0), replace(_base, warm_start=1024), replace(_base, append="tile"),
+               replace(_base, search_bits=1), replace(_base, append="tile", search_bits=1), ("floor", _base)])
     sys.exit(0)
 
 os.makedirs(args.out, exist_ok=True)
@@ -348,17 +341,11 @@ def _scores_at(q, w, k, idx, relu):
     return (s * w.float()[:, :, None]).sum(1)
 
 
-def warm_cfgs(base):
-    """Warm-start variants of a launch config that the check and the sweep run."""
-    # warm_start=512 is the default since session 4; compare it against off and a larger sample, and
-    # the 2-bit radix select (its bit-1 bug fixed in session 5: re-check it is bit-identical, then time it)
-    return [replace(base, warm_start=0), replace(base, warm_start=1024), replace(base, search_bits=2)]
-
-
 def variant_cfgs(base):
-    """Exact variants the check compares bit for bit to the default: warm start off / larger, and
-    Config.append "pair" / "mask" (session 5: one append per two key tiles / bit-mask append)."""
-    return warm_cfgs(base) + [replace(base, append="pair"), replace(base, append="mask")]
+    """Exact variants the check compares bit for bit to the default: warm start off / larger, the
+    prefix-sum append and the 1-bit select (the defaults before session 6)."""
+    return [replace(base, warm_start=0), replace(base, warm_start=1024), replace(base, append="tile"),
+            replace(base, search_bits=1)]
 
 
 WARM_CHECK_SPECS = (0, 1, 2, 4)  # causal relu, identity w+-, packed, QSA H4
@@ -433,17 +420,20 @@ if "check" in args.parts:
 # ------------------------------------------------------------------------------------------
 # (2) config sweep
 # ------------------------------------------------------------------------------------------
+_D = Config()  # the default launch (session 6: append "mask", search_bits 2, warm start 512)
 SWEEP = [
-    Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=2, programs_per_sm=2),
-    Config(block_n=64, rows_x_heads=256, num_warps=8, num_stages=3, programs_per_sm=1),
-    Config(block_n=64, rows_x_heads=128, num_warps=4, num_stages=3, programs_per_sm=2),
-    Config(block_n=128, rows_x_heads=128, num_warps=8, num_stages=2, programs_per_sm=1),
-    Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=3, programs_per_sm=2),
-    Config(block_n=64, rows_x_heads=256, num_warps=4, num_stages=2, programs_per_sm=2, warm_start=0),
+    _D,
+    replace(_D, num_warps=8, num_stages=3, programs_per_sm=1),
+    replace(_D, rows_x_heads=128, num_stages=3),
+    replace(_D, block_n=128, rows_x_heads=128, num_warps=8, programs_per_sm=1, append="tile"),
+    replace(_D, num_stages=3),
+    replace(_D, warm_start=0),
+    replace(_D, warm_start=1024),
+    replace(_D, append="tile"),  # cfg7: the prefix-sum append
+    replace(_D, search_bits=1),  # cfg8: the 1-bit select
+    replace(_D, append="tile", search_bits=1),  # cfg9: the default before session 6
+    replace(_D, cap_mult=4),  # cfg10: twice the candidate slots, fewer compactions
 ]
-SWEEP += [replace(SWEEP[0], warm_start=1024)]  # cfg6: a larger warm-start sample
-SWEEP += [replace(SWEEP[0], append="pair"), replace(SWEEP[0], append="mask")]  # cfg7, cfg8 (session 5)
-SWEEP += [replace(SWEEP[0], search_bits=2), replace(SWEEP[0], search_bits=2, append="mask")]  # cfg9, cfg10
 BEST = {}
 if "sweep" in args.parts:
     S = 64 if args.smoke else args.sweep_S
@@ -455,13 +445,11 @@ if "sweep" in args.parts:
         q, w, k = make_inputs(T, Sk, H)
         st, en = causal(T, ratio)
         fl = flops(st, en, H)
-        sweep = SWEEP if H == 64 else [SWEEP[0], SWEEP[2], SWEEP[1], replace(SWEEP[2], warm_start=0),
-                                       replace(SWEEP[2], warm_start=1024), replace(SWEEP[2], append="pair"),
-                                       replace(SWEEP[2], append="mask")]
+        sweep = SWEEP if H == 64 else [SWEEP[0], SWEEP[2], SWEEP[1], SWEEP[5], SWEEP[6], SWEEP[7], SWEEP[8],
+                                       replace(SWEEP[2], append="tile")]
         if args.smoke:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
-                     replace(default_config(H, kk, interpret=True), append="pair"),
-                     replace(default_config(H, kk, interpret=True), append="mask")]
+                     replace(default_config(H, kk, interpret=True), append="tile")]
         keep = None if args.sweep_cfgs is None else {int(x) for x in args.sweep_cfgs.split(",")}
         for i, cfg in enumerate(sweep):
             if keep is not None and i not in keep:

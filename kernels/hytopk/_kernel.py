@@ -226,29 +226,6 @@ def _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H: 
 
 
 @triton.jit
-def _key_pair(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows, o_n, o_d, m_d,
-              H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
-              IEEE: tl.constexpr):
-    """Key tiles i_n and i_n + 1 (Config.append="pair"): score both, then one append on [2 * BLOCK_N, R].
-
-    The append's cost is mostly fixed per call (layout conversions of the scores out of the MMA
-    layout, shared-memory round trips, barriers), so it is paid once per two tiles. Same candidates,
-    same order as two _key_tile calls: the threshold does not move inside a segment."""
-    b_key0 = _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
-                        H, D, R, BLOCK_N, RELU, IEEE)  # [BLOCK_N, R]
-    b_key1 = _tile_keys(i_n + 1, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
-                        H, D, R, BLOCK_N, RELU, IEEE)  # [BLOCK_N, R]
-    # [BLOCK_N, R, 2] -> [2, BLOCK_N, R] -> [2 * BLOCK_N, R]: tile i_n's keys, then tile i_n + 1's
-    key = tl.reshape(tl.permute(tl.join(b_key0, b_key1), (2, 0, 1)), [2 * BLOCK_N, R])
-    o_s = lo + i_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # [2 * BLOCK_N] key indices
-    m_c = key > thr[None, :]  # strict: a later key that ties the threshold loses
-    pos = cnt[None, :] + tl.cumsum(m_c.to(tl.int32), axis=0) - 1  # [2 * BLOCK_N, R]
-    tl.store(key_rows[None, :] + pos, key, mask=m_c)
-    tl.store(idx_rows[None, :] + pos, o_s[:, None] + tl.zeros_like(pos), mask=m_c)
-    return cnt + tl.sum(m_c.to(tl.int32), axis=0)
-
-
-@triton.jit
 def _popc64(x, HW: tl.constexpr):
     """Set bits of each int64 [any shape] -> int32: POPC on the GPU; the interpreter has no popc, so
     a SWAR count on each unsigned 32-bit half there."""
@@ -266,9 +243,24 @@ def _popc64(x, HW: tl.constexpr):
 
 
 @triton.jit
+def _store2(p_a, v_a, p_b, v_b, m, HW: tl.constexpr):
+    """Masked scatter of two int32 tensors of one shape. HW: inline PTX, run in the operands' own
+    (MMA-derived) layout; a tl.store would first be converted to a coalesced layout through shared
+    memory and barriers, for nothing: the addresses are data-dependent slots."""
+    if HW:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $5, 0; @p st.global.b32 [$1], $2; @p st.global.b32 [$3], $4; "
+            "mov.b32 $0, 0; }", "=r,l,r,l,r,r", [p_a.to(tl.int64), v_a, p_b.to(tl.int64), v_b, m.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(p_a, v_a, mask=m)
+        tl.store(p_b, v_b, mask=m)
+
+
+@triton.jit
 def _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows, o_n, o_d, m_d,
               H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
-              IEEE: tl.constexpr, HW_POPC: tl.constexpr):
+              IEEE: tl.constexpr, HW: tl.constexpr):
     """Key tile i_n with a bit-mask append (Config.append="mask", BLOCK_N <= 64): no prefix sum.
 
     Each row's candidates become one int64 mask (bit j = key j of the tile) by a sum over the tile's
@@ -280,10 +272,9 @@ def _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows,
     m_c = key > thr[None, :]  # strict: a later key that ties the threshold loses
     b_bit = tl.full([BLOCK_N, R], 1, tl.int64) << o_n.to(tl.int64)[:, None]  # [BLOCK_N, R] each key's bit
     b_mask = tl.sum(tl.where(m_c, b_bit, 0), axis=0)  # [R] the row's candidates (bits are distinct)
-    pos = cnt[None, :] + _popc64(b_mask[None, :] & (b_bit - 1), HW_POPC)  # [BLOCK_N, R] earlier candidates
-    tl.store(key_rows[None, :] + pos, key, mask=m_c)
-    tl.store(idx_rows[None, :] + pos, o_s[:, None] + tl.zeros_like(pos), mask=m_c)
-    return cnt + _popc64(b_mask, HW_POPC)
+    pos = cnt[None, :] + _popc64(b_mask[None, :] & (b_bit - 1), HW)  # [BLOCK_N, R] earlier candidates
+    _store2(key_rows[None, :] + pos, key, idx_rows[None, :] + pos, o_s[:, None] + tl.zeros_like(pos), m_c, HW)
+    return cnt + _popc64(b_mask, HW)
 
 
 @triton.jit
@@ -360,14 +351,11 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
 @triton.jit
 def _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows, o_n, o_d, m_d,
                  H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
-                 SELECT: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr, HW_POPC: tl.constexpr):
+                 SELECT: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr, HW: tl.constexpr):
     """One step of the key loop from tile i_n: Config.append's way (the floor, SELECT=False, always tiles)."""
     if APPEND == 1 and SELECT:
-        cnt = _key_pair(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
-                        o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE)
-    elif APPEND == 2 and SELECT:
         cnt = _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
-                        o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW_POPC)
+                        o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW)
     else:
         cnt, thr, b_max = _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                     key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, SELECT, IEEE)
@@ -382,10 +370,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
               APPEND: tl.constexpr = 0):
     """The row block's key loop (all its tiles, ascending), compacting between segments.
 
-    APPEND (Config.append): 0 "tile" (_key_tile), 1 "pair" (_key_pair: a step covers two tiles, a
-    last odd tile is paired with one past the row block's keys, fully masked; MIN_FREE >= 2 *
-    BLOCK_N then, op._geometry), 2 "mask" (_key_mask)."""
-    STEP: tl.constexpr = 2 if (APPEND == 1 and SELECT) else 1  # tiles per append
+    APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask)."""
     i_n = 0
     while i_n < n_tiles:
         # a segment of tiles that cannot overflow any row's buffer: the tile loop itself
@@ -398,19 +383,16 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
                                     False, False, R, CAP, CHUNK, SEARCH2)
                 thr = tl.maximum(thr, kth)
                 cnt = tl.minimum(cnt, kk)
-            if STEP == 1:
-                n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
-            else:  # whole pairs (>= 1: MIN_FREE >= 2 * BLOCK_N); a last odd tile rounds up
-                n_seg = tl.minimum(tl.cdiv(n_seg, 2), (CAP - tl.max(cnt, axis=0)) // (2 * BLOCK_N)) * 2
+            n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
         if WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
             i_e = i_n + n_seg
             while i_n < i_e:
                 cnt, thr, b_max = _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                                key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU,
                                                SELECT, IEEE, APPEND, not WHILE_LOOPS)
-                i_n += STEP
+                i_n += 1
         else:
-            for i_j in range(i_n, i_n + n_seg, STEP):
+            for i_j in range(i_n, i_n + n_seg):
                 cnt, thr, b_max = _append_step(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                                key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU,
                                                SELECT, IEEE, APPEND, not WHILE_LOOPS)

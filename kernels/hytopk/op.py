@@ -19,7 +19,7 @@ _IMPLS = ("auto", "triton", "reference")
 _logged_reference = False
 WARM_Z = 4.0  # warm start: sampled quantile this many binomial standard deviations above the k boundary
 WARM_MIN = 16  # warm start: fewest visible sample keys a row needs to use it
-APPENDS = ("tile", "pair", "mask")  # Config.append values (kernel constexpr APPEND = index)
+APPENDS = ("tile", "mask")  # Config.append values (kernel constexpr APPEND = index)
 _warm_stats = None  # int32 [3] of the last warm-start launch (device tensor, read without a sync)
 
 
@@ -40,21 +40,21 @@ class Config:
     cap_mult: int = 2  # candidate slots per row = cap_mult * topk (power of two, >= topk + 2*min free)
     min_free_tiles: int = 4  # compact a row block's buffers when fewer free slots than this many tiles
     sel_chunk: int = 2048  # R * CHUNK elements per step of the select
-    # radix-select bits per counting pass: 1, or 2 (unrolled; 16 passes). The H200 mismatch of session 4
-    # (12 of 12288 rows) was a bug, bit 1 never decided, fixed in session 5 (tests/test_hytopk_search2.py);
-    # not yet re-timed on the GPU
-    search_bits: int = 1
+    # radix-select bits per counting pass: 2 (16 unrolled passes) or 1 (32). 2 is 1.10x faster at 64K on
+    # the H200 (H_I 64, k 2048: 117.1 -> 106.5 ms with append "tile"; 104.5 -> 99.1 ms with "mask"),
+    # output bit-identical (session 6, bench/NOTES_hytopk.md; the session-4 mismatch was a bug, fixed)
+    search_bits: int = 2
     # sampled warm-start threshold: keys scored per row block before its key loop (rounded up to a
     # power of two, at most CAP); 0 = off. Exact: rows left with fewer than topk candidates are re-run
     # from -inf (see warm_stats()). 512 measured on the H200: 1.28x faster at 64K (149 -> 117 ms,
     # H_I 64, k 2048), output bit-identical to 0 (bench/NOTES_hytopk.md).
     warm_start: int = 512
-    # candidate append in the key loop. "tile": prefix sum per key tile; "pair": two tiles scored, one
-    # prefix sum on [2 * block_n, R] (conversions and barriers paid once per 2 tiles, but twice the K
-    # tile buffers: 133 KB smem at the default launch, 1 CTA/SM); "mask" (block_n <= 64): per-row
-    # candidate bit mask by a sum in the scores' layout + popc, no scan. Exact: output bit-identical.
-    # Not yet timed on the GPU (bench/NOTES_hytopk.md, session 5).
-    append: str = "tile"
+    # candidate append in the key loop. "mask" (block_n <= 64): each row's candidates become an int64 bit
+    # mask by a sum in the scores' MMA-derived layout, slot = count + popc(mask below the key), no scan;
+    # "tile": a prefix sum over the tile's keys (any block_n). Output bit-identical. "mask" measured
+    # 1.07-1.12x faster at 64K (H200, session 6). ("pair", one append per two tiles, was 1.29x slower:
+    # its 133 KB of K buffers allow only one program per SM; removed.)
+    append: str = "mask"
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -63,7 +63,8 @@ def check_config(cfg: Config, interpret: bool) -> None:
     check(cfg.warm_start >= 0, f"hytopk: Config.warm_start must be >= 0 (0 = off), got {cfg.warm_start}")
     check(cfg.append in APPENDS, f"hytopk: Config.append must be one of {APPENDS}, got {cfg.append!r}")
     check(cfg.append != "mask" or cfg.block_n <= 64,
-          f"hytopk: Config.append='mask' needs block_n <= 64 (one int64 bit mask per tile), got {cfg.block_n}")
+          f"hytopk: Config.append='mask' needs block_n <= 64 (one int64 bit mask per tile), got {cfg.block_n}; "
+          "use append='tile' for larger key tiles")
 
 
 def _pow2_ceil(x: int) -> int:
@@ -97,11 +98,9 @@ def _geometry(H: int, D: int, topk: int, cfg: Config):
     """(R, CAP, CHUNK, MIN_FREE, D_P2): rows per program, slots per row, select chunk, free floor.
 
     CAP >= topk + 2 * min_free_tiles * block_n, so a compaction always leaves >= 2 tiles free; the
-    kernel compacts below MIN_FREE free slots, at least one append step (2 tiles with append="pair")."""
+    kernel compacts below MIN_FREE free slots."""
     min_free = cfg.min_free_tiles * cfg.block_n
     cap = _pow2_ceil(max(cfg.cap_mult * topk, topk + 2 * min_free))
-    if cfg.append == "pair":
-        min_free = max(min_free, 2 * cfg.block_n)
     R = max(1, cfg.rows_x_heads // H)
     R = 1 << (R.bit_length() - 1)  # power of two
     chunk = max(1, min(cap, cfg.sel_chunk // R))
