@@ -209,7 +209,7 @@ def resources(N=128, K=2048):
     common = dict(DQK=576, V=512, R=64, K=K, BLOCK_V=512, BLOCK_R=64, IEEE=False, EVEN=True, BIG=False)
     ptrs = dict(q="*bf16", kv="*bf16", idx="*i32")
     dq_sig = dict(ptrs, o="*bf16", do="*bf16", lse="*fp32", dlse="*fp32", delta="*fp32", dq="*bf16",
-                  pds="*bf16", row0="i32", scale="fp32", scale_log2="fp32", N="i32", N_HB="i32")
+                  pds="*bf16", row0="i32", dq_row0="i32", scale="fp32", scale_log2="fp32", N="i32", N_HB="i32")
     kinds = (
         ("fwd", km._sparse_mla_fwd_kernel, FWD_CFGS,
          dict(ptrs, out="*bf16", lse="*fp32", scale_log2="fp32", N="i32", N_HB="i32"), {}),

@@ -280,8 +280,8 @@ def install_kernel_standins():
                 del o, l
             ctx.save_for_backward(q, kv, indices, out, lse)
             ctx.softmax_scale, ctx.v_dim = softmax_scale, v_dim
-            # the launcher writes dq over q on its fused path (N <= FUSED_MAX_HEADS) when asked
-            ctx.over = bool(dq_over_q) and N <= smla_kernel.FUSED_MAX_HEADS
+            # the launcher's default (scratch) backward writes dq over q when asked
+            ctx.over = bool(dq_over_q)
             return out, lse
 
         @staticmethod
@@ -292,6 +292,12 @@ def install_kernel_standins():
             dq = q if ctx.over else torch.empty_like(q)
             dkv = torch.zeros(kv.shape[0], kv.shape[1], dtype=torch.float32, device=q.device)
             delta = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+            # scratch backward: P + dS for a chunk of tokens (+ the chunk's staged dq when over q)
+            T, N, DQK = q.shape
+            K = indices.shape[1]
+            rows = smla_kernel.scratch_chunk_tokens(T, N, K, q.element_size())
+            pds = torch.empty(rows, 2, N, K, dtype=q.dtype, device=q.device)
+            dq_chunk = torch.empty(rows, N, DQK, dtype=q.dtype, device=q.device) if ctx.over else None
             with _ref(), torch.enable_grad():
                 qq, kk = q.detach().requires_grad_(), kv.detach().requires_grad_()
                 o, l = sparse_mla_reference(qq, kk, indices, ctx.softmax_scale, v_dim=ctx.v_dim)
@@ -303,7 +309,7 @@ def install_kernel_standins():
                 dq.copy_(gq)
                 dkv.copy_(gk)
                 del o, l, gq, gk, qq, kk, outs, grads
-            del delta
+            del delta, pds, dq_chunk
             return dq, dkv.to(kv.dtype), None, None, None, None, None
 
     def sparse_mla(q, kv, indices, softmax_scale, v_dim=512, deterministic=False, check_index_range=True,
@@ -312,7 +318,6 @@ def install_kernel_standins():
                                    v_dim, deterministic, dq_over_q)
 
     _set(smla_pkg, "sparse_mla", sparse_mla)
-    _ = smla_kernel  # (the launcher's allocations are mirrored above)
 
     # sparse-stage loss: the GPU branch of fused.sparse_indexer_loss (target kernel + fused KL)
     def sparse_attention_target(query, kv, indices, lse, softmax_scale, v_dim=512):

@@ -107,7 +107,8 @@ SMALL_T, SMALL_N = (48, 16) if args.cpu_smoke else (2048, 128)
 # variants swept at the first size for N = 128 (the best fwd / bwd is then used everywhere)
 FWD_VARIANTS = {"fwd-bk32": dict(block_k=32, num_warps=8, num_stages=2),
                 "fwd-bk64": dict(block_k=64, num_warps=8, num_stages=2)}
-BWD_VARIANTS = {"fused-32x16": dict(split=False),
+BWD_VARIANTS = {"scratch (default)": dict(variant="scratch"),
+                "fused-32x16": dict(split=False),
                 "split-dq32-dkv32x32": dict(split=True),
                 "split-dq32-dkv32x64": dict(split=True, dkv_cfg=dict(block_h=32, block_k=64, num_stages=1)),
                 "split-dq16-dkv32x32": dict(split=True, dq_cfg=dict(block_k=16))}
@@ -130,7 +131,7 @@ def precompile_worker(spec):
         for cfg in FWD_VARIANTS.values():
             out, lse = km.sparse_mla_fwd(q, kv, idx, SCALE, 512, **cfg)
         dout = torch.randn_like(out)
-        for cfg in (BWD_VARIANTS.values() if N == 128 else [dict(split=False), dict(split=True)]):
+        for cfg in (BWD_VARIANTS.values() if N == 128 else [{}, dict(split=False), dict(split=True)]):
             km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, SCALE, 512, **cfg)
     else:
         out, lse = km.sparse_mla_fwd(q, kv, idx, SCALE, 512)

@@ -5,8 +5,8 @@ bench/sparse_attn.py times the whole backward; this script splits it with torch.
 kernel records (no timing code inside the kernels), so a config can be judged per kernel:
   * `dq`: one program per (token, head block): S, P, dP, dS, dq (+ delta in its prologue);
   * `dkv`: one program per (token, key block): recomputes S, P, dP over all heads, dkv atomics;
-    in the `scratch` variants (sparse_mla_bwd(variant="scratch")) the dq kernel also stores dS / P
-    per token chunk and the dkv kernel contracts them without recomputing (one launch pair per chunk).
+    in the `scratch` variants (the default since session 6) the dq kernel also stores dS / P per
+    token chunk and the dkv kernel contracts them without recomputing (one launch pair per chunk).
 Each variant: warm-up call, then `--reps` profiled calls; the table gives median ms per kernel
 per call, the whole call's median by CUDA events (`event_ms`, `--reps` calls after a warm-up) and its
 TFLOP/s (counted as in bench/sparse_attn.py), and `err`: the larger relative L2 error of dq / dkv
@@ -60,21 +60,20 @@ DT = torch.float32 if args.cpu_smoke else torch.bfloat16
 SCALE = (128 + 64) ** -0.5
 T0 = time.time()
 
-# name -> sparse_mla_bwd keyword arguments; `dq4`: 4 warps for the dq kernel (M = 16 rows at N = 16).
-# The scratch variants (session 5, untimed): default chunk = 256 MiB of bf16 dS + P (256 tokens at N = 128,
-# 2048 at N = 16); `chunk 512` = 512 MiB at N = 128; `bh16`: 16 heads per dkv step, 3 stages; `bk32`: 32-key
-# dkv blocks (mma.sync, 74 KB smem instead of 164: more programs per SM to overlap the atomics at small N).
+# name -> sparse_mla_bwd keyword arguments. Session 6 made the scratch backward the default (H200, T = 16K:
+# 164 / 95 / 41 ms at N = 128 / 64 / 16 vs split 278 / 152 / 109 and fused 348 / 174 / 65) with 16 heads per
+# dkv step (3 stages) and a 4-warp dq kernel at N <= 16; the rows below compare it with its neighbours.
 VARIANTS = {
-    "split (default)": dict(split=True),
-    "scratch": dict(variant="scratch"),
-    "scratch chunk 512": dict(variant="scratch", chunk_tokens=512),
-    "scratch dkv bh16": dict(variant="scratch", scratch_cfg=dict(block_h=16, num_stages=3)),
+    "scratch (default)": {},
+    "scratch chunk 512": dict(chunk_tokens=512),
+    "scratch dkv bh32": dict(variant="scratch", scratch_cfg=dict(block_h=32, num_stages=2)),
     "scratch dkv bk32": dict(variant="scratch", scratch_cfg=dict(block_k=32)),
     "scratch dq 4 warps": dict(variant="scratch", dq_cfg=dict(num_warps=4)),
-    "split dq 4 warps": dict(split=True, dq_cfg=dict(num_warps=4)),
-    "split dkv bk64": dict(split=True, dkv_cfg=dict(block_k=64, num_stages=1)),
-    "split dkv 4 warps": dict(split=True, dkv_cfg=dict(num_warps=4)),
-    "fused": dict(split=False),
+    "scratch dq 8 warps": dict(variant="scratch", dq_cfg=dict(num_warps=8)),
+    "split": dict(variant="split"),
+    "split dq 4 warps": dict(variant="split", dq_cfg=dict(num_warps=4)),
+    "split dkv 4 warps": dict(variant="split", dkv_cfg=dict(num_warps=4)),
+    "fused": dict(variant="fused"),
 }
 KERNEL_ROLE = {"_sparse_mla_bwd_dkv_scratch_kernel": "dkv", "_sparse_mla_bwd_dq_kernel": "dq",
                "_sparse_mla_bwd_dkv_kernel": "dkv", "_sparse_mla_bwd_kernel": "fused"}

@@ -1,9 +1,10 @@
 """The sparse attention backward writes dq over the layer's query (``sparse_mla(..., dq_over_q=True)``,
 ``hyscale_megatron.dsa.DQ_OVER_QUERY``): one [T, N, 576] buffer less at the step's peak.
 
-- kernel: the fused backward (N <= 16 heads) with dq written over q gives the same dq / dkv as into a
-  fresh buffer, and dq *is* q's storage; the split backward (its dkv kernel reads q after the dq
-  kernel) ignores the request and leaves q intact;
+- kernel: the scratch (default) and fused backwards with dq written over q give the same dq / dkv as
+  into a fresh buffer, and dq *is* q's storage (scratch: per token chunk, dq staged and copied over q's
+  chunk rows after the chunk's dkv kernel read them); the split backward (its dkv kernel reads q after
+  the dq kernel) ignores the request and leaves q intact;
 - layer: LM loss, indexer loss and every parameter gradient are bit-identical with it on and off
   (Triton interpreter; with and without full recompute, batch 1 and 2), and it really happened;
 - not in place when a reference indexer loss (dense warm-up stage) keeps the query for its
@@ -35,21 +36,24 @@ def _inputs(T=7, N=4, S=11, topk=5, dqk=24, v=16, seed=0):
     return q, kv, idx, out, lse, dout
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
-def test_kernel_dq_over_q(split):
+@pytest.mark.parametrize("kw", [dict(variant="fused"), dict(variant="split"), {}, dict(chunk_tokens=2),
+                                dict(chunk_tokens=3, deterministic=True)],
+                         ids=["fused", "split", "scratch", "scratch-chunks", "scratch-chunks-det"])
+def test_kernel_dq_over_q(kw):
     q, kv, idx, out, lse, dout = _inputs()
-    ref_dq, ref_dkv = K.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, 0.3, 16, split=split)
+    ref_dq, ref_dkv = K.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, 0.3, 16, **kw)
     q2 = q.clone()
-    dq, dkv = K.sparse_mla_bwd(q2, kv, idx, out, lse, dout, None, 0.3, 16, split=split, dq_over_q=True)
+    dq, dkv = K.sparse_mla_bwd(q2, kv, idx, out, lse, dout, None, 0.3, 16, dq_over_q=True, **kw)
     torch.testing.assert_close(dq, ref_dq, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dkv, ref_dkv, rtol=1e-5, atol=1e-5)
-    if split:
+    if kw.get("variant") == "split":
         assert dq.data_ptr() != q2.data_ptr() and torch.equal(q2, q)  # not in place: q is intact
     else:
         assert dq.data_ptr() == q2.data_ptr()
-    with pytest.raises(ValueError, match="contiguous"):
-        K.sparse_mla_bwd(q.transpose(0, 1).contiguous().transpose(0, 1), kv, idx, out, lse, dout, None, 0.3, 16,
-                         split=False, dq_over_q=True)
+        assert not torch.equal(q2, q)  # q's storage now holds dq
+        with pytest.raises(ValueError, match="contiguous"):
+            K.sparse_mla_bwd(q.transpose(0, 1).contiguous().transpose(0, 1), kv, idx, out, lse, dout, None, 0.3,
+                             16, dq_over_q=True, **kw)
 
 
 def _run(on, monkeypatch, recompute, batch, **cfg_kw):
@@ -112,9 +116,10 @@ def test_not_in_place_when_a_reference_loss_keeps_the_query(monkeypatch, recompu
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_fused_dq_over_q_bf16():
-    """H200, bf16, 16 heads (the fused path), k 2048: dq written over q equals dq into a new buffer
-    bit for bit (one program per row and head block, no atomics on dq)."""
+@pytest.mark.parametrize("variant", ["fused", "scratch"])
+def test_gpu_fused_dq_over_q_bf16(variant):
+    """H200, bf16, 16 heads, k 2048: dq written over q equals dq into a new buffer bit for bit (one
+    program per row and head block, no atomics on dq; scratch: staged per chunk, then copied)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     T, N, S, topk = 4096, 16, 4096, 2048
     q = torch.randn(T, N, 576, device="cuda", generator=g).bfloat16()
@@ -122,8 +127,9 @@ def test_gpu_fused_dq_over_q_bf16():
     idx = torch.argsort(torch.rand(T, S, device="cuda", generator=g), dim=1)[:, :topk].to(torch.int32)
     out, lse = K.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
     dout = torch.randn(out.shape, device="cuda", generator=g).bfloat16()
-    ref_dq, ref_dkv = K.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, 576 ** -0.5, 512)
+    ref_dq, ref_dkv = K.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, 576 ** -0.5, 512, variant=variant)
     q2 = q.clone()
-    dq, dkv = K.sparse_mla_bwd(q2, kv, idx, out, lse, dout, None, 576 ** -0.5, 512, dq_over_q=True)
+    dq, dkv = K.sparse_mla_bwd(q2, kv, idx, out, lse, dout, None, 576 ** -0.5, 512, dq_over_q=True,
+                               variant=variant)
     assert dq.data_ptr() == q2.data_ptr() and torch.equal(dq, ref_dq)
     torch.testing.assert_close(dkv, ref_dkv, rtol=1e-3, atol=1e-3)

@@ -237,12 +237,14 @@ def test_backward_variants_match_reference(split, deterministic, N, R):
     torch.testing.assert_close(dkv, b.grad, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("N,fused", [(5, True), (16, True), (17, False), (70, False)])
-def test_backward_default_picks_kernel_by_head_count(monkeypatch, N, fused):
-    """split=None: fused backward up to FUSED_MAX_HEADS heads (faster there on the H200), split above."""
-    calls = []
-    real = sm_kernels._bwd_fused
-    monkeypatch.setattr(sm_kernels, "_bwd_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+@pytest.mark.parametrize("N", [5, 16, 17, 70])
+def test_backward_default_is_scratch(monkeypatch, N):
+    """The default backward is the scratch variant at every head count (fastest at N = 16 / 64 / 128 on
+    the H200); its dq kernel gets 4 warps up to FEW_HEADS heads in a block, the configured count above."""
+    calls, warps = [], []
+    real = sm_kernels._bwd_scratch
+    monkeypatch.setattr(sm_kernels, "_bwd_scratch", lambda *a, **k: calls.append(1) or warps.append(a[13]["num_warps"])
+                        or real(*a, **k))
     gen = torch.Generator().manual_seed(3)
     T, S, K, V, R = 3, 24, 8, 32, 8
     q, kv = torch.randn(T, N, V + R, generator=gen), torch.randn(S, V + R, generator=gen)
@@ -250,7 +252,9 @@ def test_backward_default_picks_kernel_by_head_count(monkeypatch, N, fused):
     out, lse = sm_kernels.sparse_mla_fwd(q, kv, idx, 0.3, V)
     do = torch.randn(T, N, V, generator=gen)
     dq, dkv = sm_kernels.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 0.3, V)
-    assert bool(calls) == fused
+    assert calls
+    few = sm_kernels._block_h(N) <= sm_kernels.FEW_HEADS
+    assert warps == [sm_kernels.BWD_DQ_WARPS_FEW_HEADS if few else sm_kernels.BWD_DQ_CFG["num_warps"]]
     a, b = q.clone().requires_grad_(), kv.clone().requires_grad_()
     o2, _ = sparse_mla_reference(a, b, idx, 0.3, V)
     (o2 * do).sum().backward()

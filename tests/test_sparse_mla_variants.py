@@ -141,8 +141,10 @@ def test_bad_arguments_name_the_argument():
         with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
             bwd(variant="scratch", chunk_tokens=bad)
     with pytest.raises(ValueError, match="chunk_tokens only applies to variant='scratch'"):
-        bwd(chunk_tokens=4)
-    with pytest.raises(ValueError, match="pass split=None"):
+        bwd(variant="split", chunk_tokens=4)
+    with pytest.raises(ValueError, match="chunk_tokens only applies to variant='scratch'"):
+        bwd(split=False, chunk_tokens=4)
+    with pytest.raises(ValueError, match="pass either variant='scratch' or split=True, not both"):
         bwd(variant="scratch", split=True)
     with pytest.raises(ValueError, match="unknown bwd_variant 'fast'"):
         sparse_mla(q, kv, idx, 0.1, v_dim=16, bwd_variant="fast")

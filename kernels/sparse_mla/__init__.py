@@ -89,10 +89,11 @@ def sparse_mla(
             once the producer is trusted.
         dq_over_q: the backward may write dq into q's storage (q's values are then lost): only for a
             caller that reads q nowhere after this op's backward (the HyScale layer's own query). Saves
-            one [T, N, Dqk] buffer on the fused backward path (N <= 16 heads); ignored elsewhere.
-        bwd_variant: None (default: fused backward for N <= 16 heads, split above) or "scratch" (opt-in,
-            being timed): the dq kernel also stores P and dS for a chunk of tokens and a dkv kernel
-            contracts them over heads without recomputing the logits (``kernel.sparse_mla_bwd``).
+            one [T, N, Dqk] buffer on the scratch (default) and fused backwards; ignored by "split".
+        bwd_variant: None / "scratch" (default): the dq kernel also stores P and dS for a chunk of
+            tokens and a dkv kernel contracts them over heads without recomputing the logits; "split"
+            (dkv kernel recomputes them) or "fused" (one kernel, dkv atomics per head block), slower on
+            the H200 at N = 16 / 64 / 128 (``kernel.sparse_mla_bwd``, bench/results/sparse_bwd_parts.csv).
         bwd_chunk_tokens: tokens per chunk of the "scratch" backward (default: P + dS within
             ``kernel.SCRATCH_BYTES`` = 256 MiB, i.e. 256 tokens at N = 128, k = 2048, bf16).
     Returns:

@@ -24,14 +24,14 @@ Backward, "split" (``split=True``): two kernels, both with large MMA tiles and n
      ``deterministic=True``, writes it to a bounded per-slot buffer reduced in sorted order.
   The split recomputes S and dP once more (3840 instead of 2752 MACs per head-key) but keeps
   one dkv row update per (token, key) whatever the head count.
-``variant="scratch"`` (opt-in, not yet timed) removes the split's recompute: per chunk of tokens the dq
-kernel also stores dS and P (bf16, [chunk, 2, N, k], bounded by SCRATCH_BYTES), and a dkv kernel with
-keys on M contracts them over heads, dkv = [dS^T | P^T] @ [q_v ; dO] (+ dS^T q_r): 2752 MACs per
-head-key instead of 3840, for 8 B of scratch traffic per head-key.
-``split=False`` runs the fused kernel instead: one program per token and block of 32 heads, dkv
-atomics per head block (mma.sync: M = 32 < 64). ``split=None`` (default) picks by head count: at
-T = 16K on the H200 split wins at N = 64 / 128 (150 / 277 ms vs fused 172 / 346) and fused wins at
-N = 16 (64 vs 109 ms) (bench/results/sparse_bwd_parts.csv).
+``variant="scratch"`` (the default) removes the split's recompute: per chunk of tokens the dq kernel
+also stores dS and P (bf16, [chunk, 2, N, k], bounded by SCRATCH_BYTES), and a dkv kernel with keys
+on M contracts them over heads, dkv = [dS^T | P^T] @ [q_v ; dO] (+ dS^T q_r): 2752 MACs per head-key
+instead of 3840, for 8 B of scratch traffic per head-key. H200, T = 16K, k = 2048
+(bench/results/sparse_bwd_parts.csv, session 6): N = 128 164 ms vs split 278 / fused 348; N = 64 95
+vs 152 / 174; N = 16 41 vs 109 / 65.
+``variant="fused"``: one program per token and block of 32 heads, dkv atomics per head block
+(mma.sync: M = 32 < 64). ``variant="split"``: the two kernels above.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def _sparse_mla_fwd_kernel(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _sparse_mla_bwd_dq_kernel(
-    q, kv, idx, o, do, lse, dlse, delta, dq, pds, row0, scale, scale_log2, N, N_HB,
+    q, kv, idx, o, do, lse, dlse, delta, dq, pds, row0, dq_row0, scale, scale_log2, N, N_HB,
     DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr,
@@ -187,9 +187,10 @@ def _sparse_mla_bwd_dq_kernel(
         b_dqr = _mac(b_ds, b_kr, b_dqr, IEEE)
     o_v = tl.arange(0, BLOCK_V)
     o_r = tl.arange(0, BLOCK_R)
-    tl.store(dq + row[:, None] * DQK + o_v[None, :], b_dqv.to(dq.dtype.element_ty),
+    row_dq = (i_t - dq_row0).to(tl.int64) * N + o_h  # [BLOCK_H] dq_row0: first token of a chunk-sized dq buffer
+    tl.store(dq + row_dq[:, None] * DQK + o_v[None, :], b_dqv.to(dq.dtype.element_ty),
              mask=m_h[:, None] & (o_v[None, :] < V))
-    tl.store(dq + row[:, None] * DQK + V + o_r[None, :], b_dqr.to(dq.dtype.element_ty),
+    tl.store(dq + row_dq[:, None] * DQK + V + o_r[None, :], b_dqr.to(dq.dtype.element_ty),
              mask=m_h[:, None] & (o_r[None, :] < R))
 
 
@@ -386,19 +387,17 @@ FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2)
 BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2)
 BWD_DKV_CFG = dict(block_h=32, block_k=32, num_warps=8, num_stages=1)
 BWD_FUSED_CFG = dict(block_h=32, block_k=16, num_warps=8, num_stages=2)
-# variant="scratch" (opt-in, not timed yet): the dkv kernel that contracts the dq kernel's stored P / dS.
-# BLOCK_K 64 keys = one wgmma M; BLOCK_H 32 heads per step keeps two pipeline stages of the q / dO tiles
-# in smem (bench/check_sparse_mla.py --resources, bench/NOTES_sparse_mla.md session 5).
-BWD_SCRATCH_CFG = dict(block_h=32, block_k=64, num_warps=8, num_stages=2)
+# variant="scratch" (default): the dkv kernel that contracts the dq kernel's stored P / dS. BLOCK_K 64
+# keys = one wgmma M; 16 heads per step, 3 stages: 45.5 ms vs 50.1 for 32 heads / 2 stages at N = 128
+# (T = 16K; 34.5 vs 37.5 at N = 64; equal at N = 16); 32 keys: 76.6 (H200, session 6).
+BWD_SCRATCH_CFG = dict(block_h=16, block_k=64, num_warps=8, num_stages=3)
+# its dq kernel with at most 16 heads (one 16-row M tile): 4 warps, 12.1 ms vs 23.8 with 8 at N = 16;
+# 8 warps above (N = 128: 117.6 vs 138.5 ms with 4)
+FEW_HEADS, BWD_DQ_WARPS_FEW_HEADS = 16, 4
 # Scratch budget of the "scratch" variant: P and dS for a chunk of tokens, 2 x [chunk, N, k] in q's dtype.
 # 256 MiB = 256 tokens at N = 128, k = 2048 (bf16); never O(T).
 SCRATCH_BYTES = 256 << 20
-BWD_VARIANTS = (None, "scratch")
-# split=None picks the fused backward up to this many heads: per-kernel profile at T = 16K, k = 2048
-# (bench/sparse_bwd_parts.py, bench/results/sparse_bwd_parts.csv): N = 16 fused 64 ms vs split 109
-# (dq 22 + dkv 86: the dkv kernel's 16-head M tile wastes its MMA); N = 64 split 150 vs fused 172;
-# N = 128 split 277 vs fused 346. N = 32 is not measured and stays on the split path.
-FUSED_MAX_HEADS = 16
+BWD_VARIANTS = (None, "scratch", "split", "fused")  # None = "scratch"
 
 
 def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None, num_warps=None, num_stages=None):
@@ -420,17 +419,23 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None,
 
 
 def check_bwd_variant(variant, chunk_tokens, split=None, where="sparse_mla_bwd", names=("variant", "chunk_tokens")):
-    """ValueError naming the bad argument (the public op calls this at forward time with its own names)."""
+    """The backward to run, "scratch" / "split" / "fused"; ValueError naming the bad argument (the public
+    op calls this at forward time with its own names). ``split`` (True: "split", False: "fused") is the
+    older spelling and may not be combined with ``variant``."""
     v_name, c_name = names
     if variant not in BWD_VARIANTS:
         raise ValueError(f"{where}: unknown {v_name} {variant!r}; expected one of {BWD_VARIANTS}")
+    if split is not None:
+        if variant is not None:
+            raise ValueError(f"{where}: pass either {v_name}={variant!r} or split={split!r}, not both")
+        variant = "split" if split else "fused"
+    variant = variant or "scratch"
     if chunk_tokens is not None:
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError(f"{where}: {c_name} must be a positive int or None, got {chunk_tokens!r}")
         if variant != "scratch":
             raise ValueError(f"{where}: {c_name} only applies to {v_name}='scratch', got {v_name}={variant!r}")
-    if variant == "scratch" and split is not None:
-        raise ValueError(f"{where}: {v_name}='scratch' chooses its own kernels; pass split=None, got {split!r}")
+    return variant
 
 
 def scratch_chunk_tokens(T: int, N: int, K: int, elem_bytes: int, chunk_tokens=None) -> int:
@@ -443,34 +448,29 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
                    variant=None, chunk_tokens=None, scratch_cfg=None):
     """Gradients (dq [T, N, Dqk] in q's dtype, dkv fp32 [S, Dqk]) from the saved out / lse.
 
-    ``split=True``: dq kernel + per-token dkv kernel (see the module docstring); ``split=False``: the
-    fused kernel; ``None`` (default): fused for N <= FUSED_MAX_HEADS, split above (H200 profile).
-    ``variant="scratch"`` (opt-in, any N): per chunk of ``chunk_tokens`` tokens (default: P + dS within
-    SCRATCH_BYTES), the dq kernel also stores dS and P ([chunk, 2, N, k], q's dtype) and a dkv kernel
-    contracts them over heads without recomputing S and dP (2752 instead of 3840 MACs per head-key);
-    ``scratch_cfg`` overrides BWD_SCRATCH_CFG for that dkv kernel, ``dq_cfg`` applies to its dq kernel.
-    ``*_cfg``: dicts of block_h / block_k / num_warps / num_stages overriding the defaults.
+    ``variant`` (see the module docstring): None / "scratch" (default, fastest at every measured N):
+    per chunk of ``chunk_tokens`` tokens (default: P + dS within SCRATCH_BYTES) the dq kernel also stores
+    dS and P ([chunk, 2, N, k], q's dtype) and a dkv kernel contracts them over heads without recomputing
+    S and dP; ``scratch_cfg`` overrides BWD_SCRATCH_CFG for that dkv kernel. "split": dq kernel + a dkv
+    kernel that recomputes S and dP (``dkv_cfg``); "fused": one kernel (``fused_cfg``). ``split=True`` /
+    ``False`` is the older spelling of "split" / "fused". ``dq_cfg`` applies to the dq kernel of scratch
+    and split. ``*_cfg``: dicts of block_h / block_k / num_warps / num_stages overriding the defaults;
     ``bench/check_sparse_mla.py --resources`` reports smem / spills per config offline.
-    ``dq_over_q``: the caller no longer needs q: the fused path writes dq into q's storage (each program
-    loads its (token, head block) rows of q once, before its key loop, and is the only one to touch
-    them), one [T, N, Dqk] buffer less; the split path still allocates dq (its dkv kernel reads q after
-    the dq kernel).
+    ``dq_over_q``: the caller no longer needs q: dq is written into q's storage, one [T, N, Dqk] buffer
+    less. Fused: each program loads its q rows once, before its key loop, and is their only user.
+    Scratch: each chunk's dq goes to a chunk-sized buffer and is copied over q's chunk rows once that
+    chunk's dkv kernel (the last reader of those q rows) has run. Split: ignored (its dkv kernel reads
+    all of q after the dq kernel).
     """
     T, N, DQK = q.shape
     S = kv.shape[0]
     K = idx.shape[1]
-    check_bwd_variant(variant, chunk_tokens, split)
-    if variant == "scratch":
-        split = True  # its dkv kernel reads q after the dq kernel, as in split: dq never goes over q
-    if split is None:
-        split = N > FUSED_MAX_HEADS
+    variant = check_bwd_variant(variant, chunk_tokens, split)
     dout = dout.to(q.dtype).contiguous()  # the kernel's dots need one operand dtype
-    if dq_over_q and not split:
-        if not q.is_contiguous():
-            raise ValueError(f"sparse_mla_bwd: dq_over_q needs a contiguous q, got stride {q.stride()}")
-        dq = q
-    else:
-        dq = _alloc(*q.shape, dtype=q.dtype, device=q.device)
+    over = dq_over_q and variant != "split"
+    if over and not q.is_contiguous():
+        raise ValueError(f"sparse_mla_bwd: dq_over_q needs a contiguous q, got stride {q.stride()}")
+    dq = q if over else _alloc(*q.shape, dtype=q.dtype, device=q.device)
     dkv = torch.zeros(S, DQK, dtype=torch.float32, device=q.device)
     if T == 0:
         return dq, dkv
@@ -478,21 +478,23 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     interp = _interp(q)
     args = (softmax_scale, softmax_scale * LOG2E)
     delta = torch.empty(T, N, dtype=torch.float32, device=q.device)
-    if not split:
+    if variant == "fused":
         return _bwd_fused(q, kv, idx, out, lse, dout, dlse, delta, dq, dkv, args, meta, deterministic,
                           dict(BWD_FUSED_CFG, **(fused_cfg or {})), interp, buf_elems)
     c1 = dict(BWD_DQ_CFG, **(dq_cfg or {}))
     bh = _block_h(N, c1.get("block_h"))
     n_hb = triton.cdiv(N, bh)
+    if variant == "scratch" and bh <= FEW_HEADS and "num_warps" not in (dq_cfg or {}):
+        c1["num_warps"] = BWD_DQ_WARPS_FEW_HEADS
     dlse_c = dlse.float().contiguous() if dlse is not None else lse  # placeholder pointer when absent
     dq_launch = dict(BLOCK_H=bh, BLOCK_K=16 if interp else c1["block_k"], HAS_DLSE=dlse is not None, **meta,
                      num_warps=c1["num_warps"], num_stages=c1["num_stages"])
     if variant == "scratch":
         return _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta, deterministic,
                             dq_launch, n_hb, dict(BWD_SCRATCH_CFG, **(scratch_cfg or {})), interp,
-                            chunk_tokens, buf_elems)
+                            chunk_tokens, buf_elems, over)
     _sparse_mla_bwd_dq_kernel[(T * n_hb,)](
-        q, kv, idx, out, dout, lse, dlse_c, delta, dq, delta, 0, *args, N, n_hb, SCRATCH=False,
+        q, kv, idx, out, dout, lse, dlse_c, delta, dq, delta, 0, 0, *args, N, n_hb, SCRATCH=False,
         **dq_launch)  # pds: a placeholder pointer (SCRATCH=False never touches it)
     c2 = dict(BWD_DKV_CFG, **(dkv_cfg or {}))
     bh2 = min(_block_h(N), c2.get("block_h") or 64)  # never more head rows than N needs (N = 16: 16, not 32)
@@ -514,8 +516,10 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
 
 
 def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta, deterministic, dq_launch, n_hb,
-                 cfg, interp, chunk_tokens, buf_elems):
-    """variant="scratch": per token chunk, dq kernel (+ P / dS stores) then the dkv contraction kernel."""
+                 cfg, interp, chunk_tokens, buf_elems, over):
+    """variant="scratch": per token chunk, dq kernel (+ P / dS stores) then the dkv contraction kernel.
+    ``over`` (dq is q's storage): the dq kernel writes a chunk buffer, copied over q's chunk rows after
+    the chunk's dkv kernel has read them."""
     T, N, DQK = q.shape
     K = idx.shape[1]
     rows = scratch_chunk_tokens(T, N, K, q.element_size(), chunk_tokens)
@@ -524,6 +528,7 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
         buf = torch.empty(rows * K, DQK, dtype=torch.float32, device=q.device)
     # _alloc: tests fill the scratch with NaN, so a dS / P element the dq kernel misses fails them
     pds = _alloc(rows, 2, N, K, dtype=q.dtype, device=q.device)  # [chunk, 2 (dS, P), N, K]
+    dq_chunk = _alloc(rows, N, DQK, dtype=q.dtype, device=q.device) if over else None
     bh = min(_block_h(N), cfg.get("block_h") or 64)
     bk = 16 if interp else cfg["block_k"]
     n_kb = triton.cdiv(K, bk)
@@ -533,13 +538,15 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
     for r0 in range(0, T, rows):
         r1 = min(T, r0 + rows)
         _sparse_mla_bwd_dq_kernel[((r1 - r0) * n_hb,)](
-            q, kv, idx, out, dout, lse, dlse_c, delta, dq, pds, r0, *args, N, n_hb, SCRATCH=True,
-            **dq_launch)
+            q, kv, idx, out, dout, lse, dlse_c, delta, dq_chunk if over else dq, pds, r0, r0 if over else 0,
+            *args, N, n_hb, SCRATCH=True, **dq_launch)
         _sparse_mla_bwd_dkv_scratch_kernel[((r1 - r0) * n_kb,)](
             q, idx, dout, pds, buf if deterministic else dkv, r0, N, n_kb, DETERMINISTIC=deterministic,
             **launch)
         if deterministic:
             deterministic_scatter_add_(dkv, idx[r0:r1].reshape(-1), buf[: (r1 - r0) * K])
+        if over:  # stream order: after the dkv kernel that read q[r0:r1]
+            q[r0:r1].copy_(dq_chunk[: r1 - r0])
     return dq, dkv
 
 
