@@ -170,7 +170,12 @@ SCRATCH_CFGS = [dict(block_h=32, block_k=64, num_warps=8, num_stages=2),
                 dict(block_h=32, block_k=128, num_warps=8, num_stages=1)]
 TARGET_CFGS = [dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
                dict(block_h=64, block_k=32, num_warps=8, num_stages=2),
-               dict(block_h=64, block_k=64, num_warps=8, num_stages=3)]
+               dict(block_h=64, block_k=64, num_warps=8, num_stages=3),
+               dict(block_h=64, block_k=64, num_warps=4, num_stages=2),
+               dict(block_h=64, block_k=16, num_warps=4, num_stages=2),
+               dict(block_h=32, block_k=32, num_warps=4, num_stages=2),
+               dict(block_h=128, block_k=32, num_warps=8, num_stages=2),
+               dict(block_h=128, block_k=16, num_warps=8, num_stages=3)]
 BWD_CFGS = [dict(split=True, dq_cfg=c) for c in DQ_CFGS]  # sparse_mla_bwd kwargs: the split backward per dq config
 
 

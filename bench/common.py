@@ -28,7 +28,23 @@ def env_info() -> dict:
                                         cwd=os.path.dirname(__file__)).stdout.strip() or None
     except Exception:  # noqa: BLE001
         info["commit"] = None
+    info["kernels_sha"] = kernels_sha()
     return info
+
+
+def kernels_sha() -> str:
+    """Short sha256 of kernels/**/*.py: names the kernel code that ran even where git metadata is stale
+    (the device copy reported an old commit in session 6)."""
+    import hashlib
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels")
+    h = hashlib.sha256()
+    for d, _, files in sorted(os.walk(root)):
+        for f in sorted(files):
+            if f.endswith(".py"):
+                with open(os.path.join(d, f), "rb") as fh:
+                    h.update(f.encode() + b"\0" + fh.read())
+    return h.hexdigest()[:10]
 
 
 def sync():

@@ -3,9 +3,10 @@
 #   1) GPU-marked kernel tests (sparse MLA, fused indexer loss, selected scores, HyTopK) at real shapes;
 #   2) bench/sparse_bwd_parts.py: per-kernel CUDA times of the backward variants (N = 16/64/128);
 #   3) bench/sparse_attn.py, ours only, at KS_SIZES x KS_HEADS (re-times the attention and loss path);
-#   topk (not in the default): bench/topk.py exact-variant check + 64K config sweep.
+#   topk (not in the default): bench/topk.py exact-variant check + 64K config sweep;
+#   target (not in the default): bench/target_sweep.py, launch configs of the loss target kernel.
 # Usage on the device (carry .whl-tl):  OUT=$OUT bash bench/kernel_session.sh
-# Env: KS_STEPS ("tests parts attn"; add "topk"), KS_TEST_FILES, KS_TOPK_S/CFGS/HEADS/BUDGET/TIMEOUT, KS_TESTS_TIMEOUT, KS_PARTS_T, KS_SIZES, KS_HEADS, KS_ATTN_BUDGET.
+# Env: KS_STEPS ("tests parts attn"; add "topk"), KS_TEST_FILES, KS_TARGET_BUDGET/TIMEOUT, KS_TOPK_S/CFGS/HEADS/BUDGET/TIMEOUT, KS_TESTS_TIMEOUT, KS_PARTS_T, KS_SIZES, KS_HEADS, KS_ATTN_BUDGET.
 set -u
 source bench/device_env.sh
 OUT=${OUT:-/tmp/kernels}; mkdir -p "$OUT"
@@ -31,6 +32,11 @@ case " $STEPS " in *" parts "*)
   echo "== bwd parts ($(date +%T))"
   timeout "${KS_PARTS_TIMEOUT:-120}" python3 bench/sparse_bwd_parts.py --out "$OUT" --T "${KS_PARTS_T:-16384}" \
     --budget-s "${KS_PARTS_BUDGET:-100}" 2>&1 | grep -v -i warn | tail -30;;
+esac
+case " $STEPS " in *" target "*)
+  echo "== target sweep ($(date +%T))"
+  timeout "${KS_TARGET_TIMEOUT:-240}" python3 bench/target_sweep.py --out "$OUT" --budget-s "${KS_TARGET_BUDGET:-200}" 2>&1 \
+    | grep -v -i warn | grep -E "T=|^\||budget" | tail -24;;
 esac
 case " $STEPS " in *" attn "*)
   echo "== sparse_attn ($(date +%T))"

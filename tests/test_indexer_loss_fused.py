@@ -36,6 +36,20 @@ def test_target_kernel_matches_reference(N):
     assert (out[3] == 0).all() and (out[1, 2:] == 0).all()
 
 
+def test_target_kernel_launch_config():
+    """config overrides the launch (bench/target_sweep.py): 16 heads per program at N = 80 (five head
+    blocks adding into one row) gives the default's target; unknown keys and bad block_h are refused."""
+    (q_idx, w, k_idx, query, kv, idx), v = _inputs(T=6, S=40, N=80, topk=20, seed=4)
+    _, lse = sparse_mla_reference(query, kv, idx, 0.2, v_dim=v)
+    base = sparse_attention_target(query, kv, idx, lse, 0.2, v_dim=v)
+    small = sparse_attention_target(query, kv, idx, lse, 0.2, v_dim=v, config=dict(block_h=16, num_warps=4))
+    torch.testing.assert_close(small, base, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="unknown config keys"):
+        sparse_attention_target(query, kv, idx, lse, 0.2, v_dim=v, config=dict(block_n=64))
+    with pytest.raises(ValueError, match="block_h must be a power of two"):
+        sparse_attention_target(query, kv, idx, lse, 0.2, v_dim=v, config=dict(block_h=24))
+
+
 @pytest.mark.parametrize("relu", [True, False])
 @pytest.mark.parametrize("per_token", [False, True])
 def test_fused_loss_value_and_grads_match_reference(relu, per_token):

@@ -57,12 +57,14 @@ TARGET_CFG = dict(block_k=64, num_warps=8, num_stages=2)
 
 
 def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor,
-                            softmax_scale: float, v_dim: int = 512) -> torch.Tensor:
+                            softmax_scale: float, v_dim: int = 512, config: dict | None = None) -> torch.Tensor:
     """Head-summed attention probabilities at the selected keys (unnormalised), fp32 [T, topk].
 
     Args:
         query: [T, N, Dqk] (bf16/fp16/fp32), kv: [S, Dqk] same dtype, indices: [T, topk] int32/int64
         (-1 padded), lse: [T, N] fp32 natural-log LSE of the sparse attention over those keys.
+        config: launch overrides (benchmarks): block_h (heads per program, power of two >= 16; default
+        min(64, N rounded up)), block_k, num_warps, num_stages (default TARGET_CFG).
     """
     check_tensor("query", query, 3, (torch.bfloat16, torch.float16, torch.float32))
     T, N, DQK = query.shape
@@ -75,15 +77,21 @@ def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torc
     check(0 < v_dim <= DQK, f"v_dim must be in (0, {DQK}], got {v_dim}")
     K = indices.shape[1]
     interp = not query.is_cuda
-    block_h = _block_h(N)
+    cfg = dict(TARGET_CFG, **(config or {}))
+    bad = set(cfg) - {"block_h", "block_k", "num_warps", "num_stages"}
+    check(not bad, f"sparse_attention_target: unknown config keys {sorted(bad)}")
+    bh = cfg.get("block_h")
+    check(bh is None or (isinstance(bh, int) and bh >= 16 and bh & (bh - 1) == 0),
+          f"sparse_attention_target: config block_h must be a power of two >= 16, got {bh!r}")
+    block_h = _block_h(N, bh)
     n_hb = triton.cdiv(N, block_h)
     tgt = (torch.zeros if n_hb > 1 else torch.empty)((T, K), dtype=torch.float32, device=query.device)
     if T == 0 or K == 0:
         return tgt.zero_()
     _target_kernel[(T * n_hb,)](
         query.contiguous(), kv.contiguous(), indices.contiguous(), lse.contiguous(), tgt,
-        float(softmax_scale) * LOG2E, N, n_hb, BLOCK_H=block_h, BLOCK_K=16 if interp else TARGET_CFG["block_k"],
+        float(softmax_scale) * LOG2E, N, n_hb, BLOCK_H=block_h, BLOCK_K=16 if interp else cfg["block_k"],
         **_meta(query, kv, indices, v_dim), ATOMIC=n_hb > 1,
-        num_warps=4 if interp else TARGET_CFG["num_warps"], num_stages=1 if interp else TARGET_CFG["num_stages"],
+        num_warps=4 if interp else cfg["num_warps"], num_stages=1 if interp else cfg["num_stages"],
     )
     return tgt
