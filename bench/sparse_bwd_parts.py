@@ -65,6 +65,7 @@ T0 = time.time()
 # dkv step (3 stages) and a 4-warp dq kernel at N <= 16; the rows below compare it with its neighbours.
 VARIANTS = {
     "scratch (default)": {},
+    "scratch dq asm stores": dict(dq_cfg=dict(asm_stores=True)),  # session 6, untimed: P / dS stores in PTX
     "scratch chunk 512": dict(chunk_tokens=512),
     "scratch dkv bh32": dict(variant="scratch", scratch_cfg=dict(block_h=32, num_stages=2)),
     "scratch dkv bk32": dict(variant="scratch", scratch_cfg=dict(block_k=32)),

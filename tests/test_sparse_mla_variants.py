@@ -165,14 +165,32 @@ def test_default_chunk_bounds_the_scratch():
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [16, 128])
 def test_gpu_scratch_matches_default(N):
-    """bf16 at a real shape: the scratch variant against the default backward (same bf16 operands)."""
+    """bf16 at a real shape: the scratch backward (the default, here in chunks of 300 tokens) against the
+    split one (same bf16 operands)."""
     T, S, K = 1024, 3072, 2048
     q, kv, idx = _gpu_case(T, N, S, K)
     gen = torch.Generator(device="cuda").manual_seed(1)
     out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
     do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
-    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512)
+    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, variant="split")
     b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, variant="scratch", chunk_tokens=300)
     for name, x, y in zip(("dq", "dkv"), b, a):
         err = ((x.float() - y.float()).norm() / y.float().norm()).item()
         assert err < 1e-2, f"{name}: relative L2 error {err}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [16, 70, 128])
+def test_gpu_scratch_asm_stores_bit_identical(N):
+    """dq_cfg asm_stores (P / dS stored by inline PTX in the MMA layout, two bf16 per 32-bit store when
+    adjacent, else one by one) writes the same scratch as tl.store: with the deterministic dkv reduction
+    dq and dkv are bit-identical. N = 70: a partial head block (masked rows in the pairs)."""
+    T, S, K = 700, 3072, 2048
+    q, kv, idx = _gpu_case(T, N, S, K)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
+    do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
+    kw = dict(deterministic=True, chunk_tokens=256)
+    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, **kw)
+    b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, dq_cfg=dict(asm_stores=True), **kw)
+    assert torch.equal(b[0], a[0]) and torch.equal(b[1], a[1])
