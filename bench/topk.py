@@ -56,7 +56,8 @@ p.add_argument("--stock-heads", default="64,32")
 p.add_argument("--naive-max", type=int, default=16384)
 p.add_argument("--sweep-S", type=int, default=65536)
 p.add_argument("--sweep-cfgs", default=None, help="time only these sweep configs (comma list of cfg numbers)")
-p.add_argument("--sweep-heads", default="64,4", help="sweep shapes: 64 (DeepSeek, k 2048) and/or 4 (QSA-like)")
+p.add_argument("--sweep-heads", default="64,4",
+               help="sweep shapes: 64 (DeepSeek, k 2048), 32 (GLM, k 2048) and/or 4 (QSA-like, k 512 over S/4 keys)")
 p.add_argument("--check-specs", default=None, help="check only these spec numbers (comma list, 0-based)")
 p.add_argument("--check-variants", default=None,
                help="';'-separated json Config overrides compared bit for bit to the default in the check "
@@ -437,7 +438,7 @@ SWEEP = [
 BEST = {}
 if "sweep" in args.parts:
     S = 64 if args.smoke else args.sweep_S
-    shapes = [sh for sh in ((64, 2048, 1), (4, 512, 4)) if str(sh[0]) in args.sweep_heads.split(",")]
+    shapes = [sh for sh in ((64, 2048, 1), (32, 2048, 1), (4, 512, 4)) if str(sh[0]) in args.sweep_heads.split(",")]
     for H, kk, ratio in ((4, 8, 1),) if args.smoke else shapes:
         best = None
         T = S
@@ -445,8 +446,13 @@ if "sweep" in args.parts:
         q, w, k = make_inputs(T, Sk, H)
         st, en = causal(T, ratio)
         fl = flops(st, en, H)
-        sweep = SWEEP if H == 64 else [SWEEP[0], SWEEP[2], SWEEP[1], SWEEP[5], SWEEP[6], SWEEP[7], SWEEP[8],
-                                       replace(SWEEP[2], append="tile")]
+        if H == 64:
+            sweep = SWEEP
+        elif H == 32:  # rows_x_heads 256 = 8 rows per tile: the key loop spills (sm_90a: 86 LDL/STL per tile,
+            # 1216 instrs); 128 = 4 rows as at H64: 598 instrs, no spills in the loop (bench/NOTES_hytopk.md)
+            sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=128), SWEEP[2], SWEEP[1]]
+        else:
+            sweep = [SWEEP[0], SWEEP[2], SWEEP[1], SWEEP[5], SWEEP[6], SWEEP[7], SWEEP[8], replace(SWEEP[2], append="tile")]
         if args.smoke:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
                      replace(default_config(H, kk, interpret=True), append="tile")]
@@ -483,6 +489,8 @@ if "sweep" in args.parts:
 def cfg_for(H):
     if CFG is not None:
         return CFG
+    if H in BEST:
+        return BEST[H]
     if H >= 16 and 64 in BEST:
         return BEST[64]
     if H < 16 and 4 in BEST:
