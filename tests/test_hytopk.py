@@ -28,6 +28,17 @@ INTERP = interpreter_active()
 interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
 
 
+def _zero_ties(q, w, k, every):
+    """Tie-heavy scores under ReLU: every q.k <= 0 (exact zeros after the activation) except, for every
+    second row, the keys at multiples of ``every``, which score high. Modifies and returns (q, w, k)."""
+    k = k.abs()
+    q = -q.abs()
+    q[:, :, 0] = 0.0
+    k[::every, 0] = 50.0
+    q[::2, :, 0] = 1.0
+    return q, w, k
+
+
 def _inputs(T, S, H, D=32, seed=0, dtype=torch.float32, device="cpu", w_sign=True):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(T, H, D, generator=g)
@@ -101,12 +112,7 @@ def test_short_and_masked_rows():
 def test_ties_exact_zeros():
     """ReLU zeros: most keys score exactly 0; the boundary falls among the zeros (index asc)."""
     T, S, H, D, topk = 16, 48, 2, 16, 8
-    q, w, k = _inputs(T, S, H, D=D, seed=5, w_sign=False)
-    k = k.abs()
-    q = -q.abs()  # every q.k < 0 -> ReLU gives exact zeros ...
-    q[:, :, 0] = 0.0
-    k[::7, 0] = 50.0  # ... except for every 7th key when the row's q[:, :, 0] > 0
-    q[::2, :, 0] = 1.0
+    q, w, k = _zero_ties(*_inputs(T, S, H, D=D, seed=5, w_sign=False), every=7)
     st, en = causal_bounds(T, S, offset=S - T)
     idx = hytopk(q, w, k, st, en, topk)
     ri = hytopk_reference(q, w, k, st, en, topk)

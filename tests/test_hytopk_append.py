@@ -18,9 +18,10 @@ import torch
 
 from hyscale_kernels.hytopk import _kernel, hytopk, interpreter_active, op
 from hyscale_kernels.hytopk.op import Config, default_config
-from hyscale_kernels.hytopk.reference import causal_bounds, hytopk_reference, packed_causal_bounds
+from hyscale_kernels.hytopk.reference import causal_bounds, packed_causal_bounds
 from interp_rerun import rerun_under_interpreter
-from test_hytopk_warmstart import _inputs
+from test_hytopk import _zero_ties
+from test_hytopk_warmstart import _assert_reference_sets, _inputs
 
 INTERP = interpreter_active()
 interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
@@ -51,12 +52,7 @@ def _check(q, w, k, st, en, topk, relu, cfg, variant):
     assert calls, "the 'mask' path did not run"
     assert torch.equal(var_i, base_i), "indices differ between the appends"
     assert torch.equal(var_v, base_v), "returned scores differ between the appends"
-    ri = hytopk_reference(q, w, k, st, en, topk, relu=relu)
-    n_vis = (en.long() - st.long()).clamp(min=0, max=topk)
-    assert torch.equal((var_i >= 0).sum(1), n_vis), "number of selected keys per row"
-    for t in range(var_i.shape[0]):
-        assert (var_i[t, n_vis[t]:] == -1).all(), f"row {t}: padding"
-        assert set(var_i[t].tolist()) == set(ri[t].tolist()), f"row {t}: index set differs from the reference"
+    _assert_reference_sets(var_i, q, w, k, st, en, topk, relu)
     return var_i
 
 
@@ -97,12 +93,7 @@ def test_ties_exact_zeros(variant):
     """ReLU zeros: most keys score exactly 0 and the top-k boundary falls among them (lowest index
     wins); the warm start's sampled threshold sits on the zeros too (warm start off: test_causal_ragged)."""
     T, S, H, D, topk = 6, 130, 2, 16, 8
-    q, w, k = _inputs(T, S, H, D=D, seed=5, w_sign=False)
-    k = k.abs()
-    q = -q.abs()  # every q.k < 0 -> ReLU gives exact zeros ...
-    q[:, :, 0] = 0.0
-    k[::29, 0] = 50.0  # ... except for every 29th key when the row's q[:, :, 0] > 0
-    q[::2, :, 0] = 1.0
+    q, w, k = _zero_ties(*_inputs(T, S, H, D=D, seed=5, w_sign=False), every=29)
     st, en = causal_bounds(T, S, offset=S - T)
     _check(q, w, k, st, en, topk, True, _interp_cfg(H, topk, warm_start=64), variant)
 

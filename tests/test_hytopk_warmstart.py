@@ -40,6 +40,17 @@ def _inputs(T, S, H, D=16, seed=0, w_sign=True):
     return q, (w if w_sign else w.abs()), k
 
 
+def _assert_reference_sets(idx, q, w, k, st, en, topk, relu):
+    """idx [T, topk] holds the reference's index set per row (exact: fp32, no near ties at these seeds),
+    min(visible, topk) keys and -1 padding after them."""
+    ri = hytopk_reference(q, w, k, st, en, topk, relu=relu)
+    n_vis = (en.long() - st.long()).clamp(min=0, max=topk)
+    assert torch.equal((idx >= 0).sum(1), n_vis), "number of selected keys per row"
+    for t in range(idx.shape[0]):
+        assert (idx[t, n_vis[t]:] == -1).all(), f"row {t}: padding"
+        assert set(idx[t].tolist()) == set(ri[t].tolist()), f"row {t}: index set differs from the reference"
+
+
 def _check(q, w, k, st, en, topk, relu, cfg, compare_off=True, repeat=False, return_idx=False):
     """Run with cfg: same sets as the reference (exact: fp32, no near ties at these seeds), counts
     and -1 padding right; optionally a second identical run and identity with the warm_start=0
@@ -47,12 +58,7 @@ def _check(q, w, k, st, en, topk, relu, cfg, compare_off=True, repeat=False, ret
     Returns warm_stats() of the first run (and the indices with ``return_idx``)."""
     idx, val = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=cfg)
     stats = op.warm_stats()
-    ri = hytopk_reference(q, w, k, st, en, topk, relu=relu)
-    n_vis = (en.long() - st.long()).clamp(min=0, max=topk)
-    assert torch.equal((idx >= 0).sum(1), n_vis), "number of selected keys per row"
-    for t in range(idx.shape[0]):
-        assert (idx[t, n_vis[t]:] == -1).all(), f"row {t}: padding"
-        assert set(idx[t].tolist()) == set(ri[t].tolist()), f"row {t}: index set differs from the reference"
+    _assert_reference_sets(idx, q, w, k, st, en, topk, relu)
     if repeat:
         assert torch.equal(idx, hytopk(q, w, k, st, en, topk, relu=relu, config=cfg)), "not deterministic"
         assert op.warm_stats() == stats
