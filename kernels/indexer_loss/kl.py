@@ -140,21 +140,28 @@ class _SparseKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_rows):
-        from ..hytopk.selected_scores import _triton_bwd  # noqa: PLC0415
-
         if ctx.used:  # G is scaled in place below
             raise RuntimeError("sparse_kl: backward through the same graph twice (retain_graph) is not supported")
         ctx.used = True
         q, w, k, indices, grad, row_mask = ctx.saved_tensors
-        dq_dtype = q.dtype
         coef = g_rows.float() * (row_mask.float() if ctx.has_mask else 1.0)  # d loss / d kl_unmasked[t]
-        grad.mul_(coef.reshape(-1, 1))  # d loss / d scores, in place: no second [T, topk] fp32 buffer
-        # a q recomputed for this backward alone (hyscale_megatron.indexer_recompute marks it) takes dq
-        # in place: one [T, H_I, D_I] buffer less at the step's peak (16 GiB at 1M tokens, 64 x 128)
-        over = take_scratch(q)
-        dq, dw, dk = _triton_bwd(q, w, k, indices, grad, ctx.relu, ctx.deterministic, dq_over_q=over)
-        del q
-        return dq.to(dq_dtype), dw.to(w.dtype), dk.to(k.dtype), None, None, None, None, None
+        dq, dw, dk = kl_score_backward(q, w, k, indices, grad, coef.reshape(-1, 1), ctx.relu, ctx.deterministic)
+        return dq, dw, dk, None, None, None, None, None
+
+
+def kl_score_backward(q, w, k, indices, grad, coef, relu: bool, deterministic: bool):
+    """(dq, dw, dk) of the indexer from G = d kl / d scores (fp32 [T, topk], scaled by ``coef`` in place:
+    no second [T, topk] fp32 buffer), through the selected-scores backward kernel."""
+    from ..hytopk.selected_scores import _triton_bwd  # noqa: PLC0415
+
+    dq_dtype = q.dtype
+    grad.mul_(coef)
+    # a q recomputed for this backward alone (hyscale_megatron.indexer_recompute marks it) takes dq
+    # in place: one [T, H_I, D_I] buffer less at the step's peak (16 GiB at 1M tokens, 64 x 128)
+    over = take_scratch(q)
+    dq, dw, dk = _triton_bwd(q, w, k, indices, grad, relu, deterministic, dq_over_q=over)
+    del q
+    return dq.to(dq_dtype), dw.to(w.dtype), dk.to(k.dtype)
 
 
 def sparse_kl(q_idx, w, k_idx, indices, target, row_mask=None, relu: bool = True, deterministic: bool = False):

@@ -24,21 +24,31 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 class _SparseMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, v_dim, deterministic, dq_over_q, bwd_variant, bwd_chunk_tokens):
+    def forward(ctx, q, kv, indices, softmax_scale, v_dim, deterministic, dq_over_q, bwd_variant, bwd_chunk_tokens,
+                target_link=None, dep=None):
+        # target_link / dep: see hyscale_kernels.indexer_loss.deferred (the backward also hands the loss target
+        # to target_link.put; dep, the deferred loss, makes that loss's backward wait for this one)
         out, lse = sparse_mla_fwd(q, kv, indices, softmax_scale, v_dim)
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.softmax_scale, ctx.v_dim, ctx.deterministic = softmax_scale, v_dim, deterministic
         ctx.dq_over_q = dq_over_q
         ctx.bwd = dict(variant=bwd_variant, chunk_tokens=bwd_chunk_tokens) if bwd_variant is not None else {}
+        ctx.target_link = target_link
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, kv, indices, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        link, ctx.target_link = ctx.target_link, None
+        target = None if link is None else torch.empty(indices.shape, dtype=torch.float32, device=q.device)
         dq, dkv = sparse_mla_bwd(q, kv, indices, out, lse, dout, dlse, ctx.softmax_scale, ctx.v_dim,
-                                 deterministic=ctx.deterministic, dq_over_q=ctx.dq_over_q, **ctx.bwd)
-        return dq, dkv.to(kv.dtype), None, None, None, None, None, None, None
+                                 deterministic=ctx.deterministic, dq_over_q=ctx.dq_over_q, target=target, **ctx.bwd)
+        if link is not None:
+            link.put(target)
+        n_in = len(ctx.needs_input_grad)  # 9 from sparse_mla, 11 with target_link / dep
+        d_dep = torch.zeros((), dtype=torch.float32, device=q.device) if n_in > 10 and ctx.needs_input_grad[10] else None
+        return (dq, dkv.to(kv.dtype), None, None, None, None, None, None, None, None, d_dep)[:n_in]
 
 
 def _validate(q, kv, indices, softmax_scale, v_dim, check_index_range):

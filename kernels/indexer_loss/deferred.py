@@ -1,0 +1,150 @@
+"""Sparse attention with the sparse-stage indexer loss whose target comes from the attention backward.
+
+The loss target is sum_h P[t, h, idx[t, j]], the head-summed attention probabilities at the selected
+keys. The forward path (``fused.sparse_indexer_loss``) recomputes them with one more QK pass over the
+selected keys (``target.py``: ~2/3 of the loss path at 64K tokens, 128 heads). But the attention's
+backward computes exactly these P (fp32, from the saved LSE) for its own gradient, so here its dq
+kernel also sums them over heads into the target, and the KL runs after it, inside the backward:
+
+    forward:   loss = _DeferredSparseKL(q_idx, w, k_idx)        saves its inputs; value 0 (placeholder)
+               out, lse = _SparseMLA(q, kv, idx, ..., dep=loss)  the loss is an input: its backward waits
+    backward:  _SparseMLA:        dq, dkv and the raw target (TargetLink.put)
+               _DeferredSparseKL: target (TP all-reduced) -> selected scores -> KL rows -> value to
+                                  ``on_value``; gradients to q_idx, w, k_idx as in ``kl._SparseKL``
+
+Same gradients as ``sparse_mla`` + ``sparse_indexer_loss`` (the target's fp32 head sums may differ in
+the last bits: other tile shapes), one QK pass less. The price: the loss *value* exists only in the
+backward. The returned ``loss`` is a 0-valued fp32 scalar that carries the gradient (its
+``d loss`` scales the KL's gradient as usual); the true value, sum_t row_mask[t] * KL_t, is passed to
+``on_value`` when the backward has computed it (the HyScale layer adds it to Megatron's indexer-loss
+tracker there, so logged values are unchanged; see docs).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+
+from .._common import check, check_tensor
+from .kl import kl_rows, kl_score_backward
+from .reference import _tp_all_reduce
+
+
+class TargetLink:
+    """One-shot mailbox: the attention backward puts the raw target, the deferred KL backward takes it."""
+
+    def __init__(self):
+        self._target: Optional[torch.Tensor] = None
+
+    def put(self, target: torch.Tensor) -> None:
+        self._target = target
+
+    def take(self) -> torch.Tensor:
+        t, self._target = self._target, None
+        if t is None:
+            raise RuntimeError(
+                "sparse_mla_with_indexer_loss: the loss's backward ran before (or without) the attention's: its "
+                "target comes from the attention backward. Backpropagate through the attention output as well "
+                "(e.g. (out.sum() + loss).backward(), or Megatron's DSAIndexerLossAutoScaler).")
+        return t
+
+
+class _DeferredSparseKL(torch.autograd.Function):
+    """Placeholder loss in the forward; the KL value and the indexer gradients in the backward."""
+
+    @staticmethod
+    def forward(ctx, q, w, k, indices, row_mask, relu, deterministic, link, tp_group, on_value):
+        ctx.save_for_backward(q, w, k, indices, row_mask if row_mask is not None else indices.new_empty(0))
+        ctx.relu, ctx.deterministic, ctx.has_mask = relu, deterministic, row_mask is not None
+        ctx.link, ctx.tp_group, ctx.on_value = link, tp_group, on_value
+        return torch.zeros((), dtype=torch.float32, device=q.device)
+
+    @staticmethod
+    def backward(ctx, g):
+        from ..hytopk.selected_scores import _triton_fwd  # noqa: PLC0415
+
+        if ctx.link is None:
+            raise RuntimeError("sparse_mla_with_indexer_loss: backward through the same graph twice (retain_graph) "
+                               "is not supported")
+        link, ctx.link = ctx.link, None
+        q, w, k, indices, row_mask = ctx.saved_tensors
+        target = _tp_all_reduce(link.take(), ctx.tp_group)  # heads sharded over TP: sum the partial head sums
+        scores = _triton_fwd(q, w, k, indices, ctx.relu)  # [T, topk] fp32
+        kl, _, _ = kl_rows(target, scores, indices, row_mask if ctx.has_mask else None, grad_out=scores)
+        del target
+        if ctx.on_value is not None:
+            ctx.on_value(kl.sum().detach())  # kl rows are already row-masked
+        coef = g.float().reshape(1, 1)
+        if ctx.has_mask:
+            coef = coef * row_mask.float().reshape(-1, 1)
+        dq, dw, dk = kl_score_backward(q, w, k, indices, scores, coef, ctx.relu, ctx.deterministic)
+        return dq, dw, dk, None, None, None, None, None, None, None
+
+
+def sparse_mla_with_indexer_loss(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    q_idx: torch.Tensor,
+    w: torch.Tensor,
+    k_idx: torch.Tensor,
+    v_dim: int = 512,
+    relu: bool = True,
+    row_mask: Optional[torch.Tensor] = None,
+    tp_group=None,
+    on_value: Optional[Callable[[torch.Tensor], None]] = None,
+    deterministic: bool = False,
+    dq_over_q: bool = False,
+    check_index_range: bool = True,
+    bwd_variant: Optional[str] = None,
+    bwd_chunk_tokens: Optional[int] = None,
+):
+    """Sparse MLA attention and the sparse-stage indexer KL loss, its target taken from the attention backward.
+
+    Args:
+        q: [T, N, Dqk] bf16 / fp16 / fp32 attention queries; kv: [S, Dqk] latent key (same dtype); indices:
+            [T, topk] int32 / int64, -1 padded -- as in ``sparse_mla`` (differentiable in q and kv).
+        softmax_scale, v_dim, deterministic, dq_over_q, check_index_range, bwd_variant ("scratch" / "split";
+            "fused" cannot produce the target), bwd_chunk_tokens: as in ``sparse_mla``.
+        q_idx: [T, H_I, D_I], w: [T, H_I], k_idx: [S, D_I] the indexer's queries, head weights, keys
+            (bf16 / fp32; differentiable), scored as in ``selected_scores`` (``relu``: ReLU activation).
+        row_mask: optional [T] (bool / float) weight of each row's KL (padding rows 0).
+        tp_group: process group over which heads are sharded (the target is all-reduced), or None.
+        on_value: called once in the backward with the loss value, fp32 0-d tensor
+            sum_t row_mask[t] * KL(normalise(target_t) || softmax(scores_t)).
+    Returns:
+        out [T, N, v_dim] (q's dtype), lse [T, N] fp32, as ``sparse_mla``; loss: fp32 0-d tensor, value 0 in
+        the forward, whose gradient g gives the indexer the gradient of g * (the value above).
+    Needs the kernel path (CUDA, or CPU with TRITON_INTERPRET=1).
+    """
+    from ..sparse_mla import _SparseMLA, _validate  # noqa: PLC0415
+    from ..sparse_mla.kernel import check_bwd_variant  # noqa: PLC0415
+
+    check(q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
+          "sparse_mla_with_indexer_loss needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); on a plain CPU use "
+          "sparse_mla + indexer_loss.fused.sparse_indexer_loss (reference path)")
+    _validate(q, kv, indices, softmax_scale, v_dim, check_index_range)
+    variant = check_bwd_variant(bwd_variant, bwd_chunk_tokens, where="sparse_mla_with_indexer_loss",
+                                names=("bwd_variant", "bwd_chunk_tokens"))
+    check(variant != "fused", "sparse_mla_with_indexer_loss: bwd_variant='fused' cannot produce the loss target; "
+          "use 'scratch' (default) or 'split'")
+    T = q.shape[0]
+    check_tensor("q_idx", q_idx, 3, (torch.bfloat16, torch.float16, torch.float32), device=q.device)
+    check(q_idx.shape[0] == T, f"q_idx must have {T} rows (one per attention query), got {tuple(q_idx.shape)}")
+    check(tuple(w.shape) == tuple(q_idx.shape[:2]), f"w must be {tuple(q_idx.shape[:2])}, got {tuple(w.shape)}")
+    check(k_idx.dim() == 2 and k_idx.shape[0] == kv.shape[0] and k_idx.shape[1] == q_idx.shape[2],
+          f"k_idx must be [{kv.shape[0]}, {q_idx.shape[2]}] (one indexer key per latent key), got {tuple(k_idx.shape)}")
+    if row_mask is not None:
+        check(tuple(row_mask.shape) == (T,) and row_mask.device == q.device,
+              f"row_mask must be [{T}] on {q.device}, got {tuple(row_mask.shape)} on {row_mask.device}")
+    link = TargetLink()
+    indices = indices.contiguous()
+    loss = _DeferredSparseKL.apply(q_idx.contiguous(), w.contiguous(), k_idx.contiguous(), indices,
+                                   None if row_mask is None else row_mask.contiguous(), bool(relu),
+                                   bool(deterministic), link, tp_group, on_value)
+    out, lse = _SparseMLA.apply(q.contiguous(), kv.contiguous(), indices, float(softmax_scale), v_dim,
+                                bool(deterministic), bool(dq_over_q), bwd_variant, bwd_chunk_tokens, link, loss)
+    return out, lse, loss
