@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -91,10 +92,11 @@ if args.prebuild_tilelang:
     print("prebuilt indexer bwd", flush=True)
     sys.exit(0)
 
+from hyscale_kernels.indexer_loss.deferred import sparse_mla_with_indexer_loss  # noqa: E402
 from hyscale_kernels.indexer_loss.fused import sparse_indexer_loss  # noqa: E402
 from hyscale_kernels.indexer_loss.target import sparse_attention_target  # noqa: E402
 from hyscale_kernels.hytopk.selected_scores import selected_scores  # noqa: E402
-from hyscale_kernels.sparse_mla import flops, sparse_mla_reference  # noqa: E402
+from hyscale_kernels.sparse_mla import flops, sparse_mla, sparse_mla_reference  # noqa: E402
 from hyscale_kernels.sparse_mla import kernel as km  # noqa: E402
 
 from common import append_csv, env_info, is_oom, markdown_table, peak_extra_bytes, time_ms  # noqa: E402
@@ -342,7 +344,8 @@ def main():
         stock_default()
     append_csv(args.csv, ROWS)
     cols = ["T", "N", "ours_fwd", "ours_fwd_tf", "stock_fwd", "fwd_speedup", "ours_bwd", "ours_bwd_tf", "stock_bwd",
-            "bwd_speedup", "loss_ms", "loss_frac", "stock_loss_ms", "loss_peak_gib"]
+            "bwd_speedup", "loss_ms", "loss_frac", "deferred_loss_ms", "deferred_loss_frac", "stock_loss_ms",
+            "loss_peak_gib"]
     say("\n" + markdown_table(table, cols))
     say(f"(ms medians; TFLOP/s on the k selected keys; fwd {fwd_name}, bwd {bwd_name}; total {time.time() - T0:.0f}s)")
 
@@ -366,6 +369,8 @@ def loss_path(T, N, K, q, kv, idx, lse, rec, stock):
     emit(kind="loss", T=T, N=N, k=K, impl="ours", phase="fwd+bwd", **t_loss, frac_of_attn=round(t_loss["ms"] / attn, 3),
          target_ms=t_tgt["ms"], peak_extra_gib=round(peak / 2 ** 30, 2))
     rec.update(loss_ms=t_loss["ms"], loss_frac=round(t_loss["ms"] / attn, 3), loss_peak_gib=round(peak / 2 ** 30, 2))
+    if left() > 0:
+        deferred_loss_path(T, N, K, q, kv, idx, leaves, rec)
     if stock is None or left() < 0:
         return
     sf, sb, il, ib = stock
@@ -392,6 +397,36 @@ def loss_path(T, N, K, q, kv, idx, lse, rec, stock):
     emit(kind="loss", T=T, N=N, k=K, impl="stock-tilelang", phase="target+kl+indexer_bwd", **t_s, first_call_s=round(jit, 1),
          note="stock gets the selected scores from its selection; excluded here")
     rec.update(stock_loss_ms=t_s["ms"])
+
+
+def deferred_loss_path(T, N, K, q, kv, idx, leaves, rec):
+    """The loss with its target from the attention backward (indexer_loss/deferred.py, the layer's default):
+    its cost is the difference between attention fwd+bwd with the loss and without it, both through the
+    autograd ops, timed alternately in this process (medians of each; the difference of the medians)."""
+    qa, kva = q.detach().clone().requires_grad_(), kv.detach().clone().requires_grad_()
+    dout = torch.randn(T, N, 512, device=DEV, generator=torch.Generator(device=DEV).manual_seed(3)).to(DT)
+    one = torch.ones((), device=DEV)
+
+    def attn_only():
+        qa.grad = kva.grad = None
+        out, _ = sparse_mla(qa, kva, idx, SCALE, v_dim=512, check_index_range=False)
+        out.backward(dout)
+
+    def attn_loss():
+        for t in (qa, kva, *leaves):
+            t.grad = None
+        out, _, loss = sparse_mla_with_indexer_loss(qa, kva, idx, SCALE, *leaves, v_dim=512, check_index_range=False)
+        torch.autograd.backward([out, loss], [dout, one * 0.01])
+
+    a, b = [], []
+    for _ in range(2):  # alternate: drift hits both alike
+        a.append(timed(attn_only, target_ms=0, max_iters=3)["ms"])
+        b.append(timed(attn_loss, target_ms=0, max_iters=3)["ms"])
+    ta, tb = statistics.median(a), statistics.median(b)
+    d = tb - ta
+    emit(kind="loss", T=T, N=N, k=K, impl="ours-deferred", phase="attn fwd+bwd with loss - without", ms=round(d, 3),
+         attn_only_ms=round(ta, 3), attn_with_loss_ms=round(tb, 3), frac_of_attn=round(d / ta, 3))
+    rec.update(deferred_loss_ms=round(d, 3), deferred_loss_frac=round(d / ta, 3))
 
 
 def stock_default():

@@ -22,6 +22,8 @@ def add_hyscale_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help=docs["topk_impl"] + f" Default {defaults.topk_impl}.")
     group.add_argument("--hyscale-attn-impl", choices=("auto", "triton", "reference"), default=None,
                        help=docs["attn_impl"] + f" Default {defaults.attn_impl}.")
+    group.add_argument("--hyscale-loss-target", choices=("backward", "forward"), default=None,
+                       help=docs["loss_target"] + f" Default {defaults.loss_target}.")
     for name in ("replay", "replay_offload", "replay_prefetch", "replay_compact", "deterministic",
                  "mla_up_proj_recompute"):
         flag = name.replace("_", "-")

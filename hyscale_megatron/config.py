@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _IMPLS = ("auto", "triton", "reference")
+_LOSS_TARGETS = ("backward", "forward")
 
 
 class HyScaleConfigError(ValueError):
@@ -31,6 +32,14 @@ class HyScaleConfig:
     attn_impl: str = field(
         default="auto",
         metadata={"doc": "Sparse attention + indexer loss: 'triton', 'reference', or 'auto' (Triton on CUDA)."},
+    )
+    loss_target: str = field(
+        default="backward",
+        metadata={"doc": "Where the sparse-stage indexer-loss target (head-summed attention probabilities) comes "
+                          "from on the kernel path: 'backward' (the attention backward's own P, no extra QK pass; "
+                          "the loss value is then known in the backward and added to Megatron's indexer-loss "
+                          "tracker there: logged values unchanged, the forward's loss tensor is 0) or 'forward' "
+                          "(a target kernel re-runs QK over the selected keys in the forward)."},
     )
     replay: bool = field(
         default=True,
@@ -74,6 +83,10 @@ class HyScaleConfig:
                     f"HyScaleConfig.{name}={val!r} is invalid; choose one of {', '.join(_IMPLS)} "
                     f"(flag --hyscale-{name.replace('_', '-')}, env HYSCALE_{name.upper()})."
                 )
+        if self.loss_target not in _LOSS_TARGETS:
+            raise HyScaleConfigError(
+                f"HyScaleConfig.loss_target={self.loss_target!r} is invalid; choose one of {', '.join(_LOSS_TARGETS)} "
+                "(flag --hyscale-loss-target, env HYSCALE_LOSS_TARGET).")
         for name in ("enabled", "replay", "replay_offload", "replay_prefetch", "replay_compact", "deterministic",
                      "mla_up_proj_recompute"):
             if not isinstance(getattr(self, name), bool):

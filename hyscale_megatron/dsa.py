@@ -41,6 +41,22 @@ def _tp_group(pg_collection):
         return None
 
 
+def _tracker_adder(layer_number, num_layers: int, scale):
+    """on_value callback of the deferred loss: adds scale * value to stock's indexer-loss tracker entry of
+    this layer, as stock's forward does with the loss it gets (``save_loss_to_tracker``; its groups are
+    already set by that forward call)."""
+    def add(value: torch.Tensor) -> None:
+        if layer_number is None:
+            return
+        tracker = stock_dsa.DSAIndexerLossLoggingHelper.tracker
+        if "values" not in tracker:
+            tracker["values"] = torch.zeros(num_layers, device=value.device)
+        vals = tracker["values"]
+        vals[layer_number - 1] += (value * scale).to(vals.device, vals.dtype)
+
+    return add
+
+
 class _Compute:
     """Override object for one forward of one layer (see hyscale_patches.dsa_dispatch).
 
@@ -159,6 +175,9 @@ class _Compute:
         # the reference losses (dense warm-up stage, sparse on CPU) checkpoint their row chunks and
         # re-read the query in the backward: then the attention backward must not write dq over it
         self.query_kept = self.query_kept or not (sparse_loss and kernels)
+        if sparse_loss and kernels and self.cfg.loss_target == "backward" and self._early_ok(query, key):
+            return self._attention_and_deferred_loss(q, weights, k, idx, softmax_scale, rows_valid, tp_group,
+                                                     use_relu, calculate_per_token_loss, loss_coeff)
         lses = self._attention_early(query, key, idx, softmax_scale) if sparse_loss else None
         total = None
         for bi in range(b):
@@ -195,6 +214,47 @@ class _Compute:
             total = total / n_rows
         return total * loss_coeff
 
+    def _early_ok(self, query, key) -> bool:
+        """The loss's (detached) query/key are views of this forward's attention inputs (shared latent key)."""
+        return self._same(query, self.query) and self._same(key, self.key) and self.key.size(2) == 1
+
+    def _attention_and_deferred_loss(self, q, weights, k, idx, softmax_scale, rows_valid, tp_group, use_relu,
+                                     per_token, loss_coeff):
+        """loss_target='backward': the attention runs now (kept for ``sparse_attention``, as in
+        ``_attention_early``) together with the loss whose target its backward computes
+        (``hyscale_kernels.indexer_loss.deferred``). The returned loss is 0 in the forward (stock adds that
+        0 to its indexer-loss tracker); the backward adds the true value, scaled as the loss is, to the
+        same tracker entry, so Megatron logs the same number."""
+        from hyscale_kernels.indexer_loss.deferred import sparse_mla_with_indexer_loss  # noqa: PLC0415
+
+        b = self.query.shape[1]
+        v_dim = int(self.layer.config.kv_lora_rank)
+        if per_token:
+            scale = loss_coeff
+        else:  # the same normalisation as the forward path below
+            n_rows = rows_valid.sum().float().clamp_min(1.0) if rows_valid is not None else float(max(b * q.shape[0], 1))
+            scale = loss_coeff / n_rows
+        track = _tracker_adder(self.layer.layer_number, int(self.layer.config.num_layers), scale)
+        outs, lses, total = [], [], None
+        for bi in range(b):
+            # q is not kept for the backward: saved as a recipe, recomputed there (indexer_recompute)
+            with indexer_recompute.hooks_for(self.q_recipe, q):
+                qb = q[:, bi]
+                if self.q_recipe is not None and b > 1:  # the kernel's contiguous copy, recomputed alike
+                    qb = self.q_recipe.derive(qb.contiguous(), lambda full, bi=bi: full[:, bi].contiguous())
+                out, lse, kl = sparse_mla_with_indexer_loss(
+                    self.query[:, bi], self.key[:, bi, 0], idx[bi], softmax_scale, qb, weights[:, bi], k[:, bi],
+                    v_dim=v_dim, relu=use_relu, row_mask=None if rows_valid is None else rows_valid[bi].float(),
+                    tp_group=tp_group, on_value=track, deterministic=self.cfg.deterministic,
+                    dq_over_q=DQ_OVER_QUERY and not self.query_kept, check_index_range=False)
+            outs.append(out)
+            lses.append(lse.detach())
+            total = kl if total is None else total + kl
+        self._attn = (idx, outs, lses)
+        log_once("loss-deferred", "hyscale: sparse indexer loss target from the attention backward "
+                 "(loss_target='backward'): the loss value is added to the indexer-loss tracker in the backward")
+        return total * scale
+
     def _attention_early(self, query, key, idx, softmax_scale):
         """Run the sparse attention now, on the forward's own query/key (with grad), and keep it.
 
@@ -204,7 +264,7 @@ class _Compute:
         the per-batch LSEs, or None when the inputs are not this forward's (then the loss path
         computes them).
         """
-        if not (self._same(query, self.query) and self._same(key, self.key) and self.key.size(2) == 1):
+        if not self._early_ok(query, key):
             return None
         v_dim = int(self.layer.config.kv_lora_rank)
         outs, lses = [], []

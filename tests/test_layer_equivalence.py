@@ -100,20 +100,40 @@ def test_state_dict_round_trip():
         assert n1 == n2 and torch.equal(p1, p2)
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
-def test_hyscale_triton_kernels_match_stock(recompute):
-    """The layer's kernel path (HyTopK + sparse MLA; the Triton interpreter on CPU) vs stock."""
+@pytest.mark.parametrize("recompute,loss_target,batch", [("none", "backward", 1), ("full", "backward", 1),
+                                                         ("none", "forward", 1), ("none", "backward", 2)])
+def test_hyscale_triton_kernels_match_stock(recompute, loss_target, batch, monkeypatch):
+    """The layer's kernel path (HyTopK + sparse MLA; the Triton interpreter on CPU) vs stock. loss_target
+    'backward' (default): the indexer loss is logged from the backward; the tracker after the step holds
+    stock's value all the same, and the indexer gradients match."""
     from hyscale_megatron.env import seed_all
 
     cfg = mla_dsa_config(**RECOMPUTE[recompute])
     seed_all(7)
     stock = build_gpt(cfg, use_hyscale=False, vocab_size=VOCAB)
     ours = build_gpt(cfg, use_hyscale=True, vocab_size=VOCAB,
-                     hyscale=HyScaleConfig(topk_impl="triton", attn_impl="triton", replay=True))
+                     hyscale=HyScaleConfig(topk_impl="triton", attn_impl="triton", replay=True,
+                                           loss_target=loss_target))
     ours.load_state_dict(stock.state_dict(), strict=True)
-    tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(0, VOCAB, (batch, 24), generator=torch.Generator().manual_seed(5))
+    from hyscale_kernels.indexer_loss import deferred, fused
+
+    calls = {"deferred": 0, "forward": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    monkeypatch.setattr(deferred, "sparse_mla_with_indexer_loss",
+                        counted("deferred", deferred.sparse_mla_with_indexer_loss))
+    monkeypatch.setattr(fused, "sparse_indexer_loss", counted("forward", fused.sparse_indexer_loss))
     out_s, idx_s, grads_s = _step(stock, tokens)
     out_h, idx_h, grads_h = _step(ours, tokens)
+    n_layers = cfg.num_layers * batch  # full recompute: the no-grad first forward computes no loss
+    assert calls == {"deferred": n_layers if loss_target == "backward" else 0,
+                     "forward": n_layers if loss_target == "forward" else 0}, calls
     assert _rel(out_h, out_s) < 1e-4
     assert torch.allclose(idx_h, idx_s, rtol=1e-3)
     for name, gs in grads_s.items():
