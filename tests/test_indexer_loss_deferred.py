@@ -62,14 +62,14 @@ def test_bwd_target_bad_input():
     out, lse = sparse_mla_fwd(query, kv, idx, 0.2, 32)
     with pytest.raises(ValueError, match="at most 2 head blocks"):
         sparse_mla_bwd(query, kv, idx, out, lse, torch.randn_like(out), None, 0.2, 32, deterministic=True,
-                       dq_cfg=dict(block_h=16), target=torch.zeros(idx.shape, device=DEV))
+                       variant="split", dq_cfg=dict(block_h=16), target=torch.zeros(idx.shape, device=DEV))
 
 
 def _both(inputs, relu=True, rows=None, deterministic=False, coeff=0.05, variant=None, dq_over_q=False):
     """(value, loss grad, attention grads, indexer grads) of the forward path and the deferred one, on the
     same loss scalar: (out * dout).sum() + coeff * loss."""
     q_idx, w, k_idx, query, kv, idx = inputs
-    scale, v = 0.25, 32
+    scale, v = 0.25, (512 if query.shape[-1] == 576 else 32)
     torch.manual_seed(7)
     dout = torch.randn(query.shape[0], query.shape[1], v, dtype=query.dtype, device=DEV)
     res = []
@@ -157,8 +157,19 @@ def test_gpu_deferred_loss_bf16():
     kv = torch.randn(S, 576, device="cuda", generator=g).bfloat16()
     idx = torch.argsort(torch.rand(T, S, device="cuda", generator=g), dim=1)[:, :K].int()
     idx[:64, 1000:] = -1
+    # the scratch backward's target sums the bf16-stored P (fp32 accumulation): vs the fp32-P target kernel
+    from hyscale_kernels.indexer_loss.target import sparse_attention_target
+
+    out, lse = sparse_mla_fwd(query, kv, idx, 0.25, 512)
+    tgt = torch.full(idx.shape, float("nan"), device="cuda")
+    sparse_mla_bwd(query, kv, idx, out, lse, torch.randn_like(out), None, 0.25, 512, target=tgt)
+    ref = sparse_attention_target(query, kv, idx, lse, 0.25)
+    assert torch.isfinite(tgt).all()
+    err = ((tgt - ref).norm() / ref.norm()).item()
+    assert err < 2e-3, err
+    del out, lse, tgt, ref
     (v1, _, _, a1, i1), (v2, _, _, a2, i2) = _both([q_idx, w, k_idx, query, kv, idx], coeff=1.0)
-    torch.testing.assert_close(v2, v1, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(v2, v1, rtol=2e-3, atol=1e-6)
     for a, b in zip(a2, a1):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-3)
     for a, b in zip(i2, i1):

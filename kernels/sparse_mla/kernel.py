@@ -282,7 +282,7 @@ def _sparse_mla_bwd_dkv_scratch_kernel(
     q, idx, do, pds, dkv, row0, N, N_KB,
     DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr, NHB: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    IEEE: tl.constexpr, EVEN: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    IEEE: tl.constexpr, EVEN: tl.constexpr, DETERMINISTIC: tl.constexpr, tgt=None, TGT: tl.constexpr = False,
 ):
     """dkv without recompute: contracts the dS / P the dq kernel stored for a chunk of tokens.
 
@@ -307,6 +307,9 @@ def _sparse_mla_bwd_dkv_scratch_kernel(
     o_r = tl.arange(0, BLOCK_R)
     b_acc_v = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)  # [BLOCK_K, BLOCK_V]
     b_acc_r = tl.zeros([BLOCK_K, BLOCK_R], dtype=tl.float32)  # [BLOCK_K, BLOCK_R]
+    if TGT:  # the indexer-loss target: head sums of the stored P on the tensor cores, P^T @ e0 (column 0 = 1)
+        b_acc_t = tl.zeros([BLOCK_K, 16], dtype=tl.float32)  # [BLOCK_K, 16], only column 0 nonzero
+        b_e0 = (tl.arange(0, 16)[None, :] == 0) & (tl.arange(0, BLOCK_H)[:, None] >= 0)  # [BLOCK_H, 16]
     for i_h in range(NHB):  # all heads of the token
         o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
         m_h = o_h < N
@@ -326,6 +329,11 @@ def _sparse_mla_bwd_dkv_scratch_kernel(
         b_ds = tl.load(pds + o_s, mask=m_h[:, None] & m_kk[None, :], other=0.0)  # [BLOCK_H, BLOCK_K] (L1 / L2 hit)
         b_acc_v = _mac(tl.trans(b_dsp), b_qdo, b_acc_v, IEEE)
         b_acc_r = _mac(tl.trans(b_ds), b_qr, b_acc_r, IEEE)
+        if TGT:
+            b_p = tl.load(pds + o_s + N * K, mask=m_h[:, None] & m_kk[None, :], other=0.0)  # [BLOCK_H, BLOCK_K] P
+            b_acc_t = _mac(tl.trans(b_p), b_e0.to(b_p.dtype), b_acc_t, IEEE)
+    if TGT:  # one program per (token, key block): a plain store, deterministic
+        tl.store(tgt + i_t.to(tl.int64) * K + o_k, tl.sum(b_acc_t, axis=1), mask=m_kk)
     if DETERMINISTIC:  # contribution rows ordered (chunk token, slot), reduced later in sorted order
         e = i_c.to(tl.int64) * K + o_k  # [BLOCK_K]
         m_e = m_kk[:, None]
@@ -486,10 +494,14 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     """Gradients (dq [T, N, Dqk] in q's dtype, dkv fp32 [S, Dqk]) from the saved out / lse.
 
     ``target`` (fp32 [T, k], optional; "scratch" and "split"): receives the sparse-stage indexer-loss
-    target, sum over heads of the exact fp32 attention probabilities P[t, h, j] at each selected slot
-    (0 at padding), unnormalised, as the dq kernel computes them anyway: no extra pass over the keys.
-    Deterministic: one head block writes it, or two add onto zeros (exact in either order); more head
-    blocks (a ``dq_cfg`` block_h below N / 2) raise with ``deterministic=True``.
+    target, sum over heads of the attention probabilities P[t, h, j] at each selected slot (0 at
+    padding), unnormalised, from the P the backward computes anyway: no extra pass over the keys.
+    Scratch: the dkv kernel sums the stored P (q's dtype: bf16-rounded P in bf16 runs, summed in fp32)
+    with one small MMA per head block, one plain store per (token, key block); deterministic. Split: the
+    dq kernel sums its fp32 P (one head block stores, two add onto zeros: exact in either order; more
+    head blocks, a ``dq_cfg`` block_h below N / 2, raise with ``deterministic=True``); on the H200 that
+    cross-warp sum doubled the dq kernel's time (157 -> 309 ms at 16K tokens, N = 128), hence the
+    scratch route.
 
     ``variant`` (see the module docstring): None / "scratch" (default, fastest at every measured N):
     per chunk of ``chunk_tokens`` tokens (default: P + dS within SCRATCH_BYTES) the dq kernel also stores
@@ -533,16 +545,17 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     if variant == "scratch" and bh <= FEW_HEADS and "num_warps" not in (dq_cfg or {}):
         c1["num_warps"] = BWD_DQ_WARPS_FEW_HEADS
     dlse_c = dlse.float().contiguous() if dlse is not None else lse  # placeholder pointer when absent
-    tgt_mode = _check_target(target, T, K, n_hb, deterministic, q.device)
+    tgt_mode = _check_target(target, T, K, n_hb if variant == "split" else 1, deterministic, q.device)
     # asm_stores (opt-in, not yet timed): the scratch dq kernel's P / dS stores as inline PTX in the MMA
     # layout (sm_90a compile: 3 fewer barriers per key tile, 4 KB less smem, +200 instrs); GPU only
     dq_launch = dict(BLOCK_H=bh, BLOCK_K=16 if interp else c1["block_k"], HAS_DLSE=dlse is not None, **meta,
-                     ASM_STORES=bool(c1.get("asm_stores")) and not interp, tgt=target if tgt_mode else delta, TGT=tgt_mode,
+                     ASM_STORES=bool(c1.get("asm_stores")) and not interp,
+                     tgt=target if tgt_mode and variant == "split" else delta, TGT=tgt_mode if variant == "split" else 0,
                      num_warps=c1["num_warps"], num_stages=c1["num_stages"])
     if variant == "scratch":
         return _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta, deterministic,
                             dq_launch, n_hb, dict(BWD_SCRATCH_CFG, **(scratch_cfg or {})), interp,
-                            chunk_tokens, buf_elems, over)
+                            chunk_tokens, buf_elems, over, target)
     _sparse_mla_bwd_dq_kernel[(T * n_hb,)](
         q, kv, idx, out, dout, lse, dlse_c, delta, dq, delta, 0, 0, *args, N, n_hb, SCRATCH=False,
         **dq_launch)  # pds: a placeholder pointer (SCRATCH=False never touches it)
@@ -566,7 +579,7 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
 
 
 def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta, deterministic, dq_launch, n_hb,
-                 cfg, interp, chunk_tokens, buf_elems, over):
+                 cfg, interp, chunk_tokens, buf_elems, over, target=None):
     """variant="scratch": per token chunk, dq kernel (+ P / dS stores) then the dkv contraction kernel.
     ``over`` (dq is q's storage): the dq kernel writes a chunk buffer, copied over q's chunk rows after
     the chunk's dkv kernel has read them."""
@@ -592,7 +605,7 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
             *args, N, n_hb, SCRATCH=True, **dq_launch)
         _sparse_mla_bwd_dkv_scratch_kernel[((r1 - r0) * n_kb,)](
             q, idx, dout, pds, buf if deterministic else dkv, r0, N, n_kb, DETERMINISTIC=deterministic,
-            **launch)
+            tgt=target if target is not None else delta, TGT=target is not None, **launch)
         if deterministic:
             deterministic_scatter_add_(dkv, idx[r0:r1].reshape(-1), buf[: (r1 - r0) * K])
         if over:  # stream order: after the dkv kernel that read q[r0:r1]

@@ -1,0 +1,74 @@
+"""Heads sharded over two tensor-parallel ranks (gloo, CPU, Triton interpreter): the sparse-stage loss target is
+all-reduced, so every rank sees the loss value and indexer gradients of the unsharded layer, for the forward
+path (target kernel in the forward) and the deferred one (target from the attention backward)."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU processes running the Triton interpreter")
+
+T, S, N, K, V = 6, 24, 8, 8, 32
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    q_idx, w, k_idx = torch.randn(T, 4, 16, generator=g), torch.randn(T, 4, generator=g), torch.randn(S, 16, generator=g)
+    query, kv = torch.randn(T, N, 48, generator=g), torch.randn(S, 48, generator=g)
+    idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)]).int()
+    idx[2, 3:] = -1
+    dout = torch.randn(T, N, V, generator=g)
+    return q_idx, w, k_idx, query, kv, idx, dout
+
+
+def _run(deferred, heads, group):
+    """(value, indexer grads, dq of these heads, dkv) for the attention over ``heads``."""
+    from hyscale_kernels.indexer_loss.deferred import sparse_mla_with_indexer_loss
+    from hyscale_kernels.indexer_loss.fused import sparse_indexer_loss
+    from hyscale_kernels.sparse_mla import sparse_mla
+
+    q_idx, w, k_idx, query, kv, idx, dout = _inputs()
+    leaves = [t.clone().requires_grad_() for t in (q_idx, w, k_idx)]
+    qa, kva = query[:, heads].clone().requires_grad_(), kv.clone().requires_grad_()
+    seen = []
+    if deferred:
+        out, _, loss = sparse_mla_with_indexer_loss(qa, kva, idx, 0.3, *leaves, v_dim=V, tp_group=group,
+                                                    on_value=seen.append)
+    else:
+        out, lse = sparse_mla(qa, kva, idx, 0.3, v_dim=V)
+        loss = sparse_indexer_loss(*leaves, qa, kva, idx, 0.3, 1.0, lse=lse, calculate_per_token_loss=True,
+                                   tp_group=group, v_dim=V)
+        seen.append(loss.detach())
+    ((out * dout[:, heads]).sum() + loss).backward()
+    return seen[0], [t.grad for t in leaves], qa.grad, kva.grad
+
+
+def _worker(rank, path, deferred, result_path):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    try:
+        heads = list(range(rank * N // 2, (rank + 1) * N // 2))
+        group = dist.new_group([0, 1])
+        value, grads, dq, dkv = _run(deferred, heads, group)
+        torch.save(dict(value=value, grads=grads, dq=dq, dkv=dkv), f"{result_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["forward", "deferred"])
+def test_tp_sharded_heads_match_unsharded(deferred):
+    value, grads, dq, dkv = _run(deferred, list(range(N)), None)
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_worker, args=(os.path.join(d, "init"), deferred, os.path.join(d, "res")), nprocs=2,
+                           start_method="spawn")
+        res = [torch.load(os.path.join(d, f"res.{r}")) for r in range(2)]
+    for r in range(2):
+        torch.testing.assert_close(res[r]["value"], value, rtol=1e-5, atol=1e-7)
+        for a, b in zip(res[r]["grads"], grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(res[r]["dq"], dq[:, r * N // 2:(r + 1) * N // 2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(res[0]["dkv"] + res[1]["dkv"], dkv, rtol=1e-5, atol=1e-6)
