@@ -13,28 +13,24 @@ from hyscale_kernels.indexer_loss.fused import sparse_indexer_loss
 from hyscale_kernels.indexer_loss.reference import sparse_indexer_target
 from hyscale_kernels.sparse_mla import sparse_mla
 from hyscale_kernels.sparse_mla.kernel import sparse_mla_bwd, sparse_mla_fwd
+from test_indexer_loss_fused import _inputs as _fused_inputs
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _inputs(T, S, N, topk, H=4, D=16, dqk=48, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    q_idx = torch.randn(T, H, D, generator=g)
-    w = torch.randn(T, H, generator=g)
-    k_idx = torch.randn(S, D, generator=g)
-    query = torch.randn(T, N, dqk, generator=g)
-    kv = torch.randn(S, dqk, generator=g)
-    idx = torch.stack([torch.randperm(S, generator=g)[:topk] for _ in range(T)]).to(torch.int32)
+def _inputs(T, S, N, topk, seed=0):
+    """The fused-loss tests' inputs (fp32, DEV), with a one-key row, a fully masked row and padding inside a row."""
+    (q_idx, w, k_idx, query, kv, idx), _ = _fused_inputs(T, S, N, topk, seed=seed, pad=False)
     idx[1, 1:] = -1  # one visible key
     idx[3, :] = -1  # fully masked row
     idx[4, ::3] = -1  # padding inside the row
-    return [t.to(DEV, dtype) for t in (q_idx, w, k_idx, query, kv)] + [idx.to(DEV)]
+    return [q_idx, w, k_idx, query, kv, idx]
 
 
 @pytest.mark.parametrize("N", [3, 16, 80])  # one head block (odd), one full block, two blocks (atomics)
 @pytest.mark.parametrize("variant", ["scratch", "split"])
 def test_bwd_target_equals_reference_target(N, variant):
-    """The dq kernel's head-summed P equals the target kernel's spec (normalised: the reference's target);
+    """The backward's head-summed P (scratch: dkv kernel, split: dq kernel) equals the target spec (normalised);
     0 at padding and on the fully masked row; every element written (NaN-filled before)."""
     *_, query, kv, idx = _inputs(T=7, S=40, N=N, topk=18, seed=N)
     v = 32
