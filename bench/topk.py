@@ -450,11 +450,13 @@ if "sweep" in args.parts:
             sweep = SWEEP
         elif H == 32:  # rows_x_heads 256 = 8 rows per tile: the key loop spills (sm_90a: 86 LDL/STL per tile,
             # 1216 instrs); 128 = 4 rows as at H64: 598 instrs, no spills in the loop (bench/NOTES_hytopk.md)
-            sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=128), SWEEP[2], SWEEP[1]]
+            sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=128), SWEEP[2], SWEEP[1],
+                     replace(SWEEP[0], rows_x_heads=128, num_stages=4)]  # cfg2 (128, 3 stages): default since s. 7
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],
-                     SWEEP[5], SWEEP[7], SWEEP[8]]
+                     SWEEP[5], SWEEP[7], SWEEP[8],  # cfg2 (32): default since s. 7
+                     replace(SWEEP[0], rows_x_heads=32, num_stages=3), replace(SWEEP[0], rows_x_heads=16)]
         if args.smoke:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
                      replace(default_config(H, kk, interpret=True), append="tile")]
