@@ -421,13 +421,13 @@ if "check" in args.parts:
 # ------------------------------------------------------------------------------------------
 # (2) config sweep
 # ------------------------------------------------------------------------------------------
-_D = Config()  # the default launch (session 6: append "mask", search_bits 2, warm start 512)
+_D = Config()  # the default launch (session 6: append "mask", search_bits 2, warm start 512; s. 7: 3 stages)
 SWEEP = [
     _D,
     replace(_D, num_warps=8, num_stages=3, programs_per_sm=1),
     replace(_D, rows_x_heads=128, num_stages=3),
     replace(_D, block_n=128, rows_x_heads=128, num_warps=8, programs_per_sm=1, append="tile"),
-    replace(_D, num_stages=3),
+    replace(_D, num_stages=2),  # cfg4: the default before session 7
     replace(_D, warm_start=0),
     replace(_D, warm_start=1024),
     replace(_D, append="tile"),  # cfg7: the prefix-sum append

@@ -35,7 +35,8 @@ class Config:
     block_n: int = 64  # keys per tile (MMA M side)
     rows_x_heads: int = 256
     num_warps: int = 4
-    num_stages: int = 2
+    # 3 key-tile stages: 64K H64 92.5 -> 88.2 ms, floor 64.8 -> 62.2 (H200, session 7); H32 73.9 -> 68.3
+    num_stages: int = 3
     programs_per_sm: int = 2
     cap_mult: int = 2  # candidate slots per row = cap_mult * topk (power of two, >= topk + 2*min free)
     min_free_tiles: int = 4  # compact a row block's buffers when fewer free slots than this many tiles
@@ -75,15 +76,13 @@ def default_config(H: int, topk: int, interpret: bool = False) -> Config:
     """The launch shape for H index heads. rows_x_heads = 256 at H >= 64 (4 query rows per MMA tile); fewer
     heads keep a few rows per tile instead of 256 / H: the key loop's per-row selection state then fits in
     registers. H200, 64K causal (session 7, ``bench/topk.py --parts sweep --sweep-heads 32,4``): H 32 with
-    rows_x_heads 128 and 3 stages 68.3 ms vs 90.5 with 256 (which spills 86 LDL/STL per tile); H 4 (k 512,
-    S/4 keys) with 32: 10.4 ms vs 32.4 with 256. H 8 / 16 follow the same rule (4 rows), not yet timed."""
+    rows_x_heads 128 (and the default 3 stages) 68.3 ms vs 90.5 with 256 and 2 stages (which spills 86 LDL/STL per tile); H 4 (k 512,
+    S/4 keys) with 32: 10.2 ms vs 32.4 with 256. H 8 / 16 follow the same rule (4 rows), not yet timed."""
     if interpret:
         return Config(block_n=16, rows_x_heads=2 * H, num_warps=1, num_stages=1, programs_per_sm=1,
                       min_free_tiles=1, sel_chunk=64)
     if H >= 64:
         return Config()
-    if H >= 32:
-        return Config(rows_x_heads=4 * H, num_stages=3)
     return Config(rows_x_heads=max(32, 4 * H))
 
 
