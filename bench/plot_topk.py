@@ -20,7 +20,8 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in csv.DictReader(open(a.csv)) if r["ms"] and not r["shape"].startswith("sweep")]
+    rows = [r for r in csv.DictReader(open(a.csv)) if r["ms"] and not r["shape"].startswith("sweep")
+            and "[not default" not in (r.get("note") or "")]  # launch overrides off the default shape
     # keep the latest measurement of each (shape, impl, T)
     latest = {}
     for r in rows:
