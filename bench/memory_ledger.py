@@ -239,7 +239,7 @@ def install_kernel_standins():
     from hyscale_kernels.hytopk import op as hytopk_op
     from hyscale_kernels.hytopk import reference as hytopk_ref
     from hyscale_kernels.hytopk import selected_scores as ss
-    from hyscale_kernels.indexer_loss import fused, kl
+    from hyscale_kernels.indexer_loss import deferred, fused, kl
     from hyscale_kernels.indexer_loss import reference as loss_ref
     from hyscale_kernels.sparse_mla import kernel as smla_kernel
     from hyscale_kernels.sparse_mla.reference import sparse_mla_reference
@@ -269,7 +269,10 @@ def install_kernel_standins():
     # sparse MLA: _SparseMLA saves (q, kv, indices, out, lse); backward allocates dq, fp32 dkv, delta
     class _SparseMLAEmu(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, kv, indices, softmax_scale, v_dim, deterministic, dq_over_q=False):
+        def forward(ctx, q, kv, indices, softmax_scale, v_dim, deterministic, dq_over_q=False, bwd_variant=None,
+                    bwd_chunk_tokens=None, target_link=None, dep=None):
+            # target_link / dep: the deferred indexer loss (indexer_loss/deferred.py), as in _SparseMLA
+            ctx.target_link = target_link
             T, N, _ = q.shape
             out = torch.empty(T, N, v_dim, dtype=q.dtype, device=q.device)
             lse = torch.empty(T, N, dtype=torch.float32, device=q.device)
@@ -309,8 +312,13 @@ def install_kernel_standins():
                 dq.copy_(gq)
                 dkv.copy_(gk)
                 del o, l, gq, gk, qq, kk, outs, grads
+            if ctx.target_link is not None:  # the dkv kernel's fp32 [T, k] target, handed to the loss backward
+                ctx.target_link.put(sparse_attention_target(q, kv, indices, lse, ctx.softmax_scale, ctx.v_dim))
+                ctx.target_link = None
             del delta, pds, dq_chunk
-            return dq, dkv.to(kv.dtype), None, None, None, None, None
+            n_in = len(ctx.needs_input_grad)
+            d_dep = torch.zeros((), device=q.device) if n_in > 10 and ctx.needs_input_grad[10] else None
+            return (dq, dkv.to(kv.dtype), None, None, None, None, None, None, None, None, d_dep)[:n_in]
 
     def sparse_mla(q, kv, indices, softmax_scale, v_dim=512, deterministic=False, check_index_range=True,
                    dq_over_q=False):
@@ -318,6 +326,7 @@ def install_kernel_standins():
                                    v_dim, deterministic, dq_over_q)
 
     _set(smla_pkg, "sparse_mla", sparse_mla)
+    _set(smla_pkg, "_SparseMLA", _SparseMLAEmu)  # what the deferred loss (loss_target='backward') applies
 
     # sparse-stage loss: the GPU branch of fused.sparse_indexer_loss (target kernel + fused KL)
     def sparse_attention_target(query, kv, indices, lse, softmax_scale, v_dim=512):
@@ -337,6 +346,7 @@ def install_kernel_standins():
 
     _set(fused, "sparse_attention_target", sparse_attention_target)
     _set(fused, "os", types.SimpleNamespace(environ={**os.environ, "TRITON_INTERPRET": "1"}))  # take the kernel branch
+    _set(deferred, "os", fused.os)  # the deferred loss's kernel-path check (its kernels are the stand-ins here)
 
     def _triton_fwd(q, w, k, idx, relu, block_j=64):
         out = torch.empty(idx.shape[0], idx.shape[1], dtype=torch.float32, device=q.device)

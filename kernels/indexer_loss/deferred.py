@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from .._common import check, check_tensor
-from .kl import kl_rows, kl_score_backward
+from . import kl as _kl  # module attributes: the memory ledger swaps kl_rows for a stand-in
 from .reference import _tp_all_reduce
 
 
@@ -72,14 +72,14 @@ class _DeferredSparseKL(torch.autograd.Function):
         q, w, k, indices, row_mask = ctx.saved_tensors
         target = _tp_all_reduce(link.take(), ctx.tp_group)  # heads sharded over TP: sum the partial head sums
         scores = _triton_fwd(q, w, k, indices, ctx.relu)  # [T, topk] fp32
-        kl, _, _ = kl_rows(target, scores, indices, row_mask if ctx.has_mask else None, grad_out=scores)
+        kl, _, _ = _kl.kl_rows(target, scores, indices, row_mask if ctx.has_mask else None, grad_out=scores)
         del target
         if ctx.on_value is not None:
             ctx.on_value(kl.sum().detach())  # kl rows are already row-masked
         coef = g.float().reshape(1, 1)
         if ctx.has_mask:
             coef = coef * row_mask.float().reshape(-1, 1)
-        dq, dw, dk = kl_score_backward(q, w, k, indices, scores, coef, ctx.relu, ctx.deterministic)
+        dq, dw, dk = _kl.kl_score_backward(q, w, k, indices, scores, coef, ctx.relu, ctx.deterministic)
         return dq, dw, dk, None, None, None, None, None, None, None
 
 
