@@ -66,6 +66,11 @@ T0 = time.time()
 VARIANTS = {
     "scratch (default)": {},
     "scratch dq asm stores": dict(dq_cfg=dict(asm_stores=True)),  # session 6, untimed: P / dS stores in PTX
+    # session 7, untimed: the dq kernel (64 heads x 32 keys, 8 warps) spills 616 B/thread with 2 stages on the
+    # sm_90a AOT compile, 136 B with 1 stage (no cp.async prefetch of the next key rows, though)
+    "scratch dq 1 stage": dict(dq_cfg=dict(num_stages=1)),
+    "scratch dq 1 stage + asm": dict(dq_cfg=dict(num_stages=1, asm_stores=True)),
+    "scratch + target": dict(target=True),  # the loss target from the dkv kernel (loss_target='backward')
     "scratch chunk 512": dict(chunk_tokens=512),
     "scratch dkv bh32": dict(variant="scratch", scratch_cfg=dict(block_h=32, num_stages=2)),
     "scratch dkv bk32": dict(variant="scratch", scratch_cfg=dict(block_k=32)),
@@ -127,7 +132,10 @@ def main():
             if time.time() - T0 > args.budget_s:
                 print(f"budget reached: skipping N={N} {name}", flush=True)
                 continue
-            call = lambda: km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, SCALE, 512, **kw)  # noqa: E731
+            kw = dict(kw)
+            if kw.pop("target", False):  # an fp32 [T, k] buffer for the loss target
+                kw["target"] = torch.empty(T, K, device=DEV, dtype=torch.float32)
+            call = lambda kw=kw: km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, SCALE, 512, **kw)  # noqa: E731
             try:
                 ms = per_kernel_ms(call, args.reps)
                 ev = time_ms(call, warmup=1, min_iters=args.reps, max_iters=args.reps, target_ms=0.0)["ms"]
