@@ -1,4 +1,6 @@
-"""Public ops: ``from hyscale_megatron.ops import hytopk, sparse_mla, selected_scores``.
+"""Public ops: ``from hyscale_megatron.ops import hytopk, sparse_mla, selected_scores``, and the sparse-stage
+indexer loss (``sparse_indexer_loss``: target in the forward; ``sparse_mla_with_indexer_loss``: attention and
+loss with the target from the attention backward, what the HyScale layer uses by default).
 
 Re-exports the kernels (``hyscale_kernels``, built from the repo's ``kernels/`` folder) and
 their plain-PyTorch references. Imported lazily so ``import hyscale_megatron.ops`` stays cheap.
@@ -18,6 +20,8 @@ _EXPORTS = {
     "packed_causal_bounds": ("hyscale_kernels.hytopk.reference", "packed_causal_bounds"),
     "sparse_mla": ("hyscale_kernels.sparse_mla", "sparse_mla"),
     "sparse_mla_reference": ("hyscale_kernels.sparse_mla.reference", "sparse_mla_reference"),
+    "sparse_indexer_loss": ("hyscale_kernels.indexer_loss.fused", "sparse_indexer_loss"),
+    "sparse_mla_with_indexer_loss": ("hyscale_kernels.indexer_loss.deferred", "sparse_mla_with_indexer_loss"),
     "sparse_indexer_loss_reference": ("hyscale_kernels.indexer_loss.reference", "sparse_indexer_loss_reference"),
     "dense_indexer_loss_reference": ("hyscale_kernels.indexer_loss.reference", "dense_indexer_loss_reference"),
 }
