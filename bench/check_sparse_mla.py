@@ -214,17 +214,13 @@ def resources(N=128, K=2048):
     common = dict(DQK=576, V=512, R=64, K=K, BLOCK_V=512, BLOCK_R=64, IEEE=False, EVEN=True, BIG=False)
     ptrs = dict(q="*bf16", kv="*bf16", idx="*i32")
     dq_sig = dict(ptrs, o="*bf16", do="*bf16", lse="*fp32", dlse="*fp32", delta="*fp32", dq="*bf16",
-                  pds="*bf16", row0="i32", dq_row0="i32", scale="fp32", scale_log2="fp32", N="i32", N_HB="i32",
-                  tgt="*fp32")
+                  pds="*bf16", row0="i32", dq_row0="i32", scale="fp32", scale_log2="fp32", N="i32", N_HB="i32")
     kinds = (
         ("fwd", km._sparse_mla_fwd_kernel, FWD_CFGS,
          dict(ptrs, out="*bf16", lse="*fp32", scale_log2="fp32", N="i32", N_HB="i32"), {}),
-        ("bwd_dq", km._sparse_mla_bwd_dq_kernel, DQ_CFGS, dq_sig, dict(HAS_DLSE=False, SCRATCH=False, TGT=0)),
+        ("bwd_dq", km._sparse_mla_bwd_dq_kernel, DQ_CFGS, dq_sig, dict(HAS_DLSE=False, SCRATCH=False)),
         # the scratch variant's dq kernel: the same plus bf16 P / dS stores per key tile
-        ("bwd_dq_scratch", km._sparse_mla_bwd_dq_kernel, DQ_CFGS[:1], dq_sig, dict(HAS_DLSE=False, SCRATCH=True, TGT=0)),
-        # + the indexer-loss target (loss_target='backward'): head sums of P, atomics from two head blocks
-        ("bwd_dq_scratch_tgt", km._sparse_mla_bwd_dq_kernel, DQ_CFGS[:1], dq_sig,
-         dict(HAS_DLSE=False, SCRATCH=True, TGT=2)),
+        ("bwd_dq_scratch", km._sparse_mla_bwd_dq_kernel, DQ_CFGS[:1], dq_sig, dict(HAS_DLSE=False, SCRATCH=True)),
         ("bwd_dkv_scratch", km._sparse_mla_bwd_dkv_scratch_kernel, SCRATCH_CFGS,
          dict(q="*bf16", idx="*i32", do="*bf16", pds="*bf16", dkv="*fp32", row0="i32",
               N="i32", N_KB="i32"), dict(DETERMINISTIC=False)),

@@ -41,6 +41,14 @@ def _tp_group(pg_collection):
         return None
 
 
+def _loss_scale(rows_valid, b: int, sq: int, per_token: bool, loss_coeff: float):
+    """Factor from the summed per-row KL to the layer's loss: coeff (per-token losses) or coeff / valid rows."""
+    if per_token:
+        return loss_coeff
+    n_rows = rows_valid.sum().float().clamp_min(1.0) if rows_valid is not None else float(max(b * sq, 1))
+    return loss_coeff / n_rows
+
+
 def _tracker_adder(layer_number, num_layers: int, scale):
     """on_value callback of the deferred loss: adds scale * value to stock's indexer-loss tracker entry of
     this layer, as stock's forward does with the loss it gets (``save_loss_to_tracker``; its groups are
@@ -191,11 +199,8 @@ class _Compute:
 
                 # q is not kept for the backward: saved as a recipe, recomputed there (indexer_recompute)
                 with indexer_recompute.hooks_for(self.q_recipe, q):
-                    qb = q[:, bi]
-                    if self.q_recipe is not None and b > 1:  # the kernel's contiguous copy, recomputed alike
-                        qb = self.q_recipe.derive(qb.contiguous(), lambda full, bi=bi: full[:, bi].contiguous())
-                    kl = sparse_indexer_loss(qb, weights[:, bi], k[:, bi], query[:, bi], kv, idx[bi],
-                                             softmax_scale, lse=lse, v_dim=int(self.layer.config.kv_lora_rank),
+                    kl = sparse_indexer_loss(self._q_of(q, bi, b), weights[:, bi], k[:, bi], query[:, bi], kv,
+                                             idx[bi], softmax_scale, lse=lse, v_dim=int(self.layer.config.kv_lora_rank),
                                              deterministic=self.cfg.deterministic, **common)
             elif sparse_loss:
                 kl = loss_ref.sparse_indexer_loss_reference(
@@ -209,10 +214,15 @@ class _Compute:
                     q[:, bi], weights[:, bi], k[:, bi], query[:, bi].detach(), kv, bounds[0], bounds[1],
                     softmax_scale, **common)
             total = kl if total is None else total + kl
-        if not calculate_per_token_loss:
-            n_rows = rows_valid.sum().float().clamp_min(1.0) if rows_valid is not None else float(max(b * sq, 1))
-            total = total / n_rows
-        return total * loss_coeff
+        return total * _loss_scale(rows_valid, b, sq, calculate_per_token_loss, loss_coeff)
+
+    def _q_of(self, q, bi: int, b: int):
+        """Sequence bi's indexer query for the kernel loss; with b > 1 the kernel's contiguous copy, registered
+        with the recompute recipe so it is rebuilt alike in the backward (indexer_recompute)."""
+        qb = q[:, bi]
+        if self.q_recipe is not None and b > 1:
+            qb = self.q_recipe.derive(qb.contiguous(), lambda full, bi=bi: full[:, bi].contiguous())
+        return qb
 
     def _early_ok(self, query, key) -> bool:
         """The loss's (detached) query/key are views of this forward's attention inputs (shared latent key)."""
@@ -229,21 +239,15 @@ class _Compute:
 
         b = self.query.shape[1]
         v_dim = int(self.layer.config.kv_lora_rank)
-        if per_token:
-            scale = loss_coeff
-        else:  # the same normalisation as the forward path below
-            n_rows = rows_valid.sum().float().clamp_min(1.0) if rows_valid is not None else float(max(b * q.shape[0], 1))
-            scale = loss_coeff / n_rows
+        scale = _loss_scale(rows_valid, b, q.shape[0], per_token, loss_coeff)
         track = _tracker_adder(self.layer.layer_number, int(self.layer.config.num_layers), scale)
         outs, lses, total = [], [], None
         for bi in range(b):
             # q is not kept for the backward: saved as a recipe, recomputed there (indexer_recompute)
             with indexer_recompute.hooks_for(self.q_recipe, q):
-                qb = q[:, bi]
-                if self.q_recipe is not None and b > 1:  # the kernel's contiguous copy, recomputed alike
-                    qb = self.q_recipe.derive(qb.contiguous(), lambda full, bi=bi: full[:, bi].contiguous())
                 out, lse, kl = sparse_mla_with_indexer_loss(
-                    self.query[:, bi], self.key[:, bi, 0], idx[bi], softmax_scale, qb, weights[:, bi], k[:, bi],
+                    self.query[:, bi], self.key[:, bi, 0], idx[bi], softmax_scale,
+                    self._q_of(q, bi, b), weights[:, bi], k[:, bi],
                     v_dim=v_dim, relu=use_relu, row_mask=None if rows_valid is None else rows_valid[bi].float(),
                     tp_group=tp_group, on_value=track, deterministic=self.cfg.deterministic,
                     dq_over_q=DQ_OVER_QUERY and not self.query_kept, check_index_range=False)

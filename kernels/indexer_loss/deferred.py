@@ -3,8 +3,8 @@
 The loss target is sum_h P[t, h, idx[t, j]], the head-summed attention probabilities at the selected
 keys. The forward path (``fused.sparse_indexer_loss``) recomputes them with one more QK pass over the
 selected keys (``target.py``: ~2/3 of the loss path at 64K tokens, 128 heads). But the attention's
-backward computes exactly these P (fp32, from the saved LSE) for its own gradient, so here its dq
-kernel also sums them over heads into the target, and the KL runs after it, inside the backward:
+backward computes exactly these P (from the saved LSE) for its own gradient and stores them for its dkv
+kernel, which here also sums them over heads into the target; the KL runs after it, inside the backward:
 
     forward:   loss = _DeferredSparseKL(q_idx, w, k_idx)        saves its inputs; value 0 (placeholder)
                out, lse = _SparseMLA(q, kv, idx, ..., dep=loss)  the loss is an input: its backward waits
@@ -12,9 +12,9 @@ kernel also sums them over heads into the target, and the KL runs after it, insi
                _DeferredSparseKL: target (TP all-reduced) -> selected scores -> KL rows -> value to
                                   ``on_value``; gradients to q_idx, w, k_idx as in ``kl._SparseKL``
 
-Same gradients as ``sparse_mla`` + ``sparse_indexer_loss`` (the target's fp32 head sums may differ in
-the last bits: other tile shapes), one QK pass less. The price: the loss *value* exists only in the
-backward. The returned ``loss`` is a 0-valued fp32 scalar that carries the gradient (its
+Same gradients as ``sparse_mla`` + ``sparse_indexer_loss`` up to the target's precision (fp32 head sums of
+the stored P: exact in fp32 runs, bf16-rounded P in bf16 runs), one QK pass less. The price: the loss
+*value* exists only in the backward. The returned ``loss`` is a 0-valued fp32 scalar that carries the gradient (its
 ``d loss`` scales the KL's gradient as usual); the true value, sum_t row_mask[t] * KL_t, is passed to
 ``on_value`` when the backward has computed it (the HyScale layer adds it to Megatron's indexer-loss
 tracker there, so logged values are unchanged; see docs).
@@ -107,8 +107,8 @@ def sparse_mla_with_indexer_loss(
     Args:
         q: [T, N, Dqk] bf16 / fp16 / fp32 attention queries; kv: [S, Dqk] latent key (same dtype); indices:
             [T, topk] int32 / int64, -1 padded -- as in ``sparse_mla`` (differentiable in q and kv).
-        softmax_scale, v_dim, deterministic, dq_over_q, check_index_range, bwd_variant ("scratch" / "split";
-            "fused" cannot produce the target), bwd_chunk_tokens: as in ``sparse_mla``.
+        softmax_scale, v_dim, deterministic, dq_over_q, check_index_range, bwd_chunk_tokens: as in ``sparse_mla``;
+            bwd_variant: None / "scratch" only (the backward that stores P, from which the target is summed).
         q_idx: [T, H_I, D_I], w: [T, H_I], k_idx: [S, D_I] the indexer's queries, head weights, keys
             (bf16 / fp32; differentiable), scored as in ``selected_scores`` (``relu``: ReLU activation).
         row_mask: optional [T] (bool / float) weight of each row's KL (padding rows 0).
@@ -129,8 +129,8 @@ def sparse_mla_with_indexer_loss(
     _validate(q, kv, indices, softmax_scale, v_dim, check_index_range)
     variant = check_bwd_variant(bwd_variant, bwd_chunk_tokens, where="sparse_mla_with_indexer_loss",
                                 names=("bwd_variant", "bwd_chunk_tokens"))
-    check(variant != "fused", "sparse_mla_with_indexer_loss: bwd_variant='fused' cannot produce the loss target; "
-          "use 'scratch' (default) or 'split'")
+    check(variant == "scratch", f"sparse_mla_with_indexer_loss: bwd_variant={bwd_variant!r} cannot produce the loss "
+          "target; use 'scratch' (the default)")
     T = q.shape[0]
     check_tensor("q_idx", q_idx, 3, (torch.bfloat16, torch.float16, torch.float32), device=q.device)
     check(q_idx.shape[0] == T, f"q_idx must have {T} rows (one per attention query), got {tuple(q_idx.shape)}")

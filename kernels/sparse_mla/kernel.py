@@ -161,18 +161,6 @@ def _sparse_mla_fwd_kernel(
     tl.store(lse + row, b_lse, mask=m_h)
 
 
-@triton.jit
-def _add_target(tgt, i_t, o_k, K: tl.constexpr, b_p, TGT: tl.constexpr):
-    """tgt[i_t, o_k] (+)= sum over this block's heads of b_p [BLOCK_H, BLOCK_K]. TGT 1: the only head
-    block, plain store; 2: atomics onto a zeroed row (with two head blocks 0 + a + b = 0 + b + a exactly)."""
-    b_t = tl.sum(b_p, axis=0)  # [BLOCK_K]
-    p_t = tgt + i_t.to(tl.int64) * K + o_k
-    if TGT == 1:
-        tl.store(p_t, b_t, mask=o_k < K)
-    else:
-        tl.atomic_add(p_t, b_t, mask=o_k < K, sem="relaxed")
-
-
 # ---------------------------------------------------------------------------------------------
 # backward, split: dq kernel (+ delta) and dkv kernel
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +170,7 @@ def _sparse_mla_bwd_dq_kernel(
     DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr,
-    ASM_STORES: tl.constexpr = False, tgt=None, TGT: tl.constexpr = 0,  # tgt: see _add_target
+    ASM_STORES: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     i_t = pid // N_HB + row0  # query token (row0: first token of the chunk in the scratch variant)
@@ -211,8 +199,6 @@ def _sparse_mla_bwd_dq_kernel(
         b_s = _mac(b_qr, tl.trans(b_kr), _dot(b_qv, tl.trans(b_kv), IEEE), IEEE)  # [BLOCK_H, BLOCK_K]
         b_p = tl.exp2(b_s * scale_log2 - b_lse[:, None])
         b_p = tl.where(m_k[None, :], b_p, 0.0)  # [BLOCK_H, BLOCK_K]
-        if TGT != 0:  # the indexer-loss target: this head block's sum of the exact fp32 P per selected key
-            _add_target(tgt, i_t, o_k, K, tl.where((m_h & m_fin)[:, None], b_p, 0.0), TGT)  # no padded heads
         b_dp = _dot(b_do, tl.trans(b_kv), IEEE)  # [BLOCK_H, BLOCK_K]
         b_ds = (b_p * (b_dp - b_delta[:, None]) * scale).to(b_kv.dtype)  # d(q.k)
         if SCRATCH:  # dS and P in the operand dtype, as the dkv kernel's MMA will read them
@@ -493,15 +479,12 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
                    variant=None, chunk_tokens=None, scratch_cfg=None, target=None):
     """Gradients (dq [T, N, Dqk] in q's dtype, dkv fp32 [S, Dqk]) from the saved out / lse.
 
-    ``target`` (fp32 [T, k], optional; "scratch" and "split"): receives the sparse-stage indexer-loss
-    target, sum over heads of the attention probabilities P[t, h, j] at each selected slot (0 at
-    padding), unnormalised, from the P the backward computes anyway: no extra pass over the keys.
-    Scratch: the dkv kernel sums the stored P (q's dtype: bf16-rounded P in bf16 runs, summed in fp32)
-    with one small MMA per head block, one plain store per (token, key block); deterministic. Split: the
-    dq kernel sums its fp32 P (one head block stores, two add onto zeros: exact in either order; more
-    head blocks, a ``dq_cfg`` block_h below N / 2, raise with ``deterministic=True``); on the H200 that
-    cross-warp sum doubled the dq kernel's time (157 -> 309 ms at 16K tokens, N = 128), hence the
-    scratch route.
+    ``target`` (fp32 [T, k], optional; "scratch" only): receives the sparse-stage indexer-loss target, sum
+    over heads of the attention probabilities P[t, h, j] at each selected slot (0 at padding),
+    unnormalised, from the P the backward stores anyway: the dkv kernel sums them (q's dtype: bf16-rounded
+    P in bf16 runs, summed in fp32) with one small MMA per head block, one plain store per (token, key
+    block); deterministic, every element written. (Summing the fp32 P in the dq kernel instead doubled
+    that kernel's time on the H200, 157 -> 309 ms at 16K tokens, N = 128: removed.)
 
     ``variant`` (see the module docstring): None / "scratch" (default, fastest at every measured N):
     per chunk of ``chunk_tokens`` tokens (default: P + dS within SCRATCH_BYTES) the dq kernel also stores
@@ -521,6 +504,7 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     S = kv.shape[0]
     K = idx.shape[1]
     variant = check_bwd_variant(variant, chunk_tokens, split)
+    _check_target(target, T, K, variant, q.device)
     dout = dout.to(q.dtype).contiguous()  # the kernel's dots need one operand dtype
     over = dq_over_q and variant != "split"
     if over and not q.is_contiguous():
@@ -534,9 +518,6 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     args = (softmax_scale, softmax_scale * LOG2E)
     delta = torch.empty(T, N, dtype=torch.float32, device=q.device)
     if variant == "fused":
-        if target is not None:
-            raise ValueError("sparse_mla_bwd: the indexer-loss target (target=) needs variant 'scratch' or 'split', "
-                             "not 'fused'")
         return _bwd_fused(q, kv, idx, out, lse, dout, dlse, delta, dq, dkv, args, meta, deterministic,
                           dict(BWD_FUSED_CFG, **(fused_cfg or {})), interp, buf_elems)
     c1 = dict(BWD_DQ_CFG, **(dq_cfg or {}))
@@ -545,12 +526,10 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     if variant == "scratch" and bh <= FEW_HEADS and "num_warps" not in (dq_cfg or {}):
         c1["num_warps"] = BWD_DQ_WARPS_FEW_HEADS
     dlse_c = dlse.float().contiguous() if dlse is not None else lse  # placeholder pointer when absent
-    tgt_mode = _check_target(target, T, K, n_hb if variant == "split" else 1, deterministic, q.device)
     # asm_stores (opt-in, not yet timed): the scratch dq kernel's P / dS stores as inline PTX in the MMA
     # layout (sm_90a compile: 3 fewer barriers per key tile, 4 KB less smem, +200 instrs); GPU only
     dq_launch = dict(BLOCK_H=bh, BLOCK_K=16 if interp else c1["block_k"], HAS_DLSE=dlse is not None, **meta,
                      ASM_STORES=bool(c1.get("asm_stores")) and not interp,
-                     tgt=target if tgt_mode and variant == "split" else delta, TGT=tgt_mode if variant == "split" else 0,
                      num_warps=c1["num_warps"], num_stages=c1["num_stages"])
     if variant == "scratch":
         return _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta, deterministic,
@@ -613,20 +592,16 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
     return dq, dkv
 
 
-def _check_target(target, T, K, n_hb, deterministic, device) -> int:
-    """TGT mode of the dq kernel: 0 no target, 1 one head block stores, 2 head blocks add atomically."""
+def _check_target(target, T, K, variant, device) -> None:
+    """ValueError naming the problem with a ``target`` buffer (None: no target)."""
     if target is None:
-        return 0
+        return
+    if variant != "scratch":
+        raise ValueError(f"sparse_mla_bwd: the indexer-loss target (target=) needs variant 'scratch', not {variant!r}")
     if not (isinstance(target, torch.Tensor) and target.dtype == torch.float32 and tuple(target.shape) == (T, K)
             and target.device == device and target.is_contiguous()):
         raise ValueError(f"sparse_mla_bwd: target must be a contiguous fp32 [{T}, {K}] tensor on {device}, got "
                          f"{getattr(target, 'dtype', type(target))} {tuple(getattr(target, 'shape', ()))}")
-    if n_hb > 2 and deterministic:
-        raise ValueError(f"sparse_mla_bwd: a deterministic target allows at most 2 head blocks in the dq kernel, "
-                         f"got {n_hb}: raise dq_cfg['block_h']")
-    if n_hb > 1:
-        target.zero_()
-    return 1 if n_hb == 1 else 2
 
 
 def _delta_(delta, out, dout, lse, dlse, rows: int = 4096):
