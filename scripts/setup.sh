@@ -19,7 +19,21 @@ find_python() {
   exit 1
 }
 
+# A new .venv takes ~5 GB (torch's CUDA build and its libraries) plus pip's downloads: fail early with
+# a clear message instead of pip's "[Errno 28] No space left on device" half way through.
+need_disk() {
+  local dir="$1" need_gb="$2" free_kb
+  free_kb=$(df -Pk "$dir" 2>/dev/null | awk 'NR == 2 {print $4}')
+  if [ -n "$free_kb" ] && [ "$free_kb" -lt $((need_gb * 1024 * 1024)) ]; then
+    echo "error: setup needs ~${need_gb} GB free in $dir, only $((free_kb / 1024)) MB left" \
+         "(free some space, or point TMPDIR / PIP_CACHE_DIR elsewhere)" >&2
+    exit 1
+  fi
+}
+
 if [ ! -x .venv/bin/python ]; then
+  need_disk . 6
+  need_disk "${TMPDIR:-/tmp}" 1
   PY=$(find_python)
   echo "setup: creating .venv with $PY"
   "$PY" -m venv .venv
