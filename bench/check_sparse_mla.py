@@ -202,12 +202,18 @@ def _compile_report(fn, sig, const, cfg):
     info = "; ".join(l.split(":", 1)[-1].strip() for l in r.stderr.splitlines() if "Used" in l or "spill" in l)
     ptx = k.asm["ptx"]
     mma = "wgmma" if "wgmma" in ptx else "mma.sync"
+    if "wgmma" in ptx:  # instructions per tile shape, e.g. 36 x m64n32k16: replicated tiles show as doubled counts
+        import collections
+        import re
+        mma += " " + ",".join(f"{n}x{s}" for s, n in collections.Counter(
+            re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)).items())
     red = "red.v4" if ("red.global.v4" in ptx or ".v4.f32" in ptx and "red." in ptx) else ("red" if "red." in ptx else "-")
     return f"smem {k.metadata.shared} B ({mma}, atomics {red}, cp.async {'cp.async' in ptx}); {info}"
 
 
 def resources(N=128, K=2048):
     """Compile every swept config for sm_90a without a GPU; print smem, registers, spills."""
+    from hyscale_kernels._split_mma import REVISION as SPLIT_REV
     from hyscale_kernels.indexer_loss import target as tk
     from hyscale_kernels.sparse_mla import kernel as km
 
@@ -218,7 +224,12 @@ def resources(N=128, K=2048):
     kinds = (
         ("fwd", km._sparse_mla_fwd_kernel, FWD_CFGS,
          dict(ptrs, out="*bf16", lse="*fp32", scale_log2="fp32", N="i32", N_HB="i32"), {}),
+        # split_mma: the chained QK^T (and dO V^T) tiles split over the two warpgroups (kernels/_split_mma.py)
+        ("fwd_split", km._sparse_mla_fwd_kernel, FWD_CFGS,
+         dict(ptrs, out="*bf16", lse="*fp32", scale_log2="fp32", N="i32", N_HB="i32"), dict(SPLIT_MMA=SPLIT_REV)),
         ("bwd_dq", km._sparse_mla_bwd_dq_kernel, DQ_CFGS, dq_sig, dict(HAS_DLSE=False, SCRATCH=False)),
+        ("bwd_dq_scratch_split", km._sparse_mla_bwd_dq_kernel, DQ_CFGS + [dict(DQ_CFGS[0], num_stages=1)], dq_sig,
+         dict(HAS_DLSE=False, SCRATCH=True, SPLIT_MMA=SPLIT_REV)),
         # the scratch variant's dq kernel: the same plus bf16 P / dS stores per key tile
         ("bwd_dq_scratch", km._sparse_mla_bwd_dq_kernel, DQ_CFGS[:1], dq_sig, dict(HAS_DLSE=False, SCRATCH=True)),
         ("bwd_dkv_scratch", km._sparse_mla_bwd_dkv_scratch_kernel, SCRATCH_CFGS,

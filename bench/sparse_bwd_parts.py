@@ -70,6 +70,10 @@ VARIANTS = {
     # sm_90a AOT compile, 136 B with 1 stage (no cp.async prefetch of the next key rows, though)
     "scratch dq 1 stage": dict(dq_cfg=dict(num_stages=1)),
     "scratch dq 1 stage + asm": dict(dq_cfg=dict(num_stages=1, asm_stores=True)),
+    # session 8, untimed: S / dP split over the two warpgroups (kernels/_split_mma.py): sm_90a, 64 x 32 tile:
+    # 136 -> 68 wgmma per key tile for S and dP, spills 552 -> 220 B (1 stage: 144 B)
+    "scratch dq split mma": dict(dq_cfg=dict(split_mma=True)),
+    "scratch dq split mma 1 stage": dict(dq_cfg=dict(split_mma=True, num_stages=1)),
     "scratch + target": dict(target=True),  # the loss target from the dkv kernel (loss_target='backward')
     "scratch chunk 512": dict(chunk_tokens=512),
     "scratch dkv bh32": dict(variant="scratch", scratch_cfg=dict(block_h=32, num_stages=2)),

@@ -40,7 +40,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .._split_mma import install as _install_split_mma
+from .._split_mma import split_flag, split_mma_mark
 from .scatter import deterministic_scatter_add_
+
+_install_split_mma()
 
 LOG2E = 1.4426950408889634
 
@@ -127,9 +131,9 @@ def _sparse_mla_fwd_kernel(
     q, kv, idx, out, lse, scale_log2, N, N_HB,
     DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr,
+    IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, SPLIT_MMA: tl.constexpr = 0,
 ):
-    pid = tl.program_id(0)
+    pid = split_mma_mark(tl.program_id(0), SPLIT_MMA)  # SPLIT_MMA: QK^T split over warpgroups (_split_mma.py)
     i_t = pid // N_HB  # query token
     i_h = pid % N_HB  # head block (fastest: the blocks of one token share its gathers in L2)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -170,9 +174,9 @@ def _sparse_mla_bwd_dq_kernel(
     DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr,
-    ASM_STORES: tl.constexpr = False,
+    ASM_STORES: tl.constexpr = False, SPLIT_MMA: tl.constexpr = 0,
 ):
-    pid = tl.program_id(0)
+    pid = split_mma_mark(tl.program_id(0), SPLIT_MMA)  # SPLIT_MMA: S and dP split over warpgroups
     i_t = pid // N_HB + row0  # query token (row0: first token of the chunk in the scratch variant)
     i_h = pid % N_HB
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -414,8 +418,12 @@ def _block_h(N: int, block_h=None, cap: int = 64) -> int:
 # (2026-12-02, T = 16K, N = 128, k = 2048; bench/results/sparse_attn.csv, bench/NOTES_sparse_mla.md):
 # fwd BLOCK_K 64: 36.0 ms (260 TFLOP/s) vs 32: 50.4 ms (185), although ptxas reports 20 B of spills
 # for 64x64; bwd split dq32 + dkv32x32: 276 ms vs fused 32x16: 346 ms, dkv32x64: 1286 ms, dq16: 346 ms.
-FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2)
-BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2)
+FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=False)
+BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2, split_mma=False)
+# split_mma (opt-in until timed on the H200): the chained QK^T / dO V^T tiles split over the two warpgroups
+# instead of both computing all of them (kernels/_split_mma.py); sm_90a compile, 64 heads x 64 keys fwd:
+# 72 -> 36 QK^T wgmma per key tile, smem 221 -> 226 KB, spills 20 -> 32 B; dq (64 x 32, scratch stores):
+# 136 -> 68 wgmma, spills 552 -> 220 B
 BWD_DKV_CFG = dict(block_h=32, block_k=32, num_warps=8, num_stages=1)
 BWD_FUSED_CFG = dict(block_h=32, block_k=16, num_warps=8, num_stages=2)
 # variant="scratch" (default): the dkv kernel that contracts the dq kernel's stored P / dS. BLOCK_K 64
@@ -431,8 +439,10 @@ SCRATCH_BYTES = 256 << 20
 BWD_VARIANTS = (None, "scratch", "split", "fused")  # None = "scratch"
 
 
-def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None, num_warps=None, num_stages=None):
-    """Kernel launch only (inputs already validated and contiguous) -> out [T, N, V], lse fp32 [T, N]."""
+def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None, num_warps=None, num_stages=None,
+                   split_mma=None):
+    """Kernel launch only (inputs already validated and contiguous) -> out [T, N, V], lse fp32 [T, N].
+    ``split_mma`` (None: FWD_CFG's): QK^T split over the warpgroups (Hopper; see kernels/_split_mma.py)."""
     T, N, _ = q.shape
     out = _alloc(T, N, v_dim, dtype=q.dtype, device=q.device)
     lse = _alloc(T, N, dtype=torch.float32, device=q.device)
@@ -442,10 +452,12 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None,
     bh = _block_h(N, block_h)
     n_hb = triton.cdiv(N, bh)
     interp = _interp(q)
+    nw = num_warps or FWD_CFG["num_warps"]
     _sparse_mla_fwd_kernel[(T * n_hb,)](
         q, kv, idx, out, lse, softmax_scale * LOG2E, N, n_hb, BLOCK_H=bh,
         BLOCK_K=16 if interp else (block_k or FWD_CFG["block_k"]), **meta,
-        num_warps=num_warps or FWD_CFG["num_warps"], num_stages=num_stages or FWD_CFG["num_stages"])
+        SPLIT_MMA=split_flag(FWD_CFG["split_mma"] if split_mma is None else split_mma, interp, bh, nw),
+        num_warps=nw, num_stages=num_stages or FWD_CFG["num_stages"])
     return out, lse
 
 
@@ -530,6 +542,7 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     # layout (sm_90a compile: 3 fewer barriers per key tile, 4 KB less smem, +200 instrs); GPU only
     dq_launch = dict(BLOCK_H=bh, BLOCK_K=16 if interp else c1["block_k"], HAS_DLSE=dlse is not None, **meta,
                      ASM_STORES=bool(c1.get("asm_stores")) and not interp,
+                     SPLIT_MMA=split_flag(bool(c1.get("split_mma")), interp, bh, c1["num_warps"]),
                      num_warps=c1["num_warps"], num_stages=c1["num_stages"])
     if variant == "scratch":
         return _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta, deterministic,
