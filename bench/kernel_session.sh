@@ -6,7 +6,8 @@
 #   topk (not in the default): bench/topk.py exact-variant check + 64K config sweep;
 #   target (not in the default): bench/target_sweep.py, launch configs of the loss target kernel.
 # Usage on the device (carry .whl-tl):  OUT=$OUT bash bench/kernel_session.sh
-# Env: KS_STEPS ("tests parts attn"; add "topk"), KS_TEST_FILES, KS_TARGET_BUDGET/TIMEOUT, KS_TOPK_S/CFGS/HEADS/BUDGET/TIMEOUT, KS_TESTS_TIMEOUT, KS_PARTS_T, KS_SIZES, KS_HEADS, KS_ATTN_BUDGET.
+# Env: KS_STEPS ("tests parts attn"; add "topk"), KS_TEST_FILES, KS_TARGET_BUDGET/TIMEOUT, KS_TOPK_S/CFGS/HEADS/BUDGET/TIMEOUT, KS_TESTS_TIMEOUT, KS_PARTS_T, KS_SIZES, KS_HEADS, KS_ATTN_BUDGET,
+#      KS_ATTN_SWEEP (substrings of bench/sparse_attn.py's fwd / bwd variants to sweep in the attn step; unset: no sweep).
 set -u
 source bench/device_env.sh
 OUT=${OUT:-/tmp/kernels}; mkdir -p "$OUT"
@@ -41,6 +42,7 @@ esac
 case " $STEPS " in *" attn "*)
   echo "== sparse_attn ($(date +%T))"
   timeout "${KS_ATTN_TIMEOUT:-150}" python3 bench/sparse_attn.py --out "$OUT" --sizes "${KS_SIZES:-65536}" \
-    --heads "${KS_HEADS:-128}" --no-stock --no-sweep --budget-s "${KS_ATTN_BUDGET:-120}" 2>&1 | grep -v -i warn | tail -20;;
+    --heads "${KS_HEADS:-128}" --no-stock --budget-s "${KS_ATTN_BUDGET:-120}" \
+    ${KS_ATTN_SWEEP:+--sweep-only "$KS_ATTN_SWEEP"} $([ -z "${KS_ATTN_SWEEP:-}" ] && echo --no-sweep) 2>&1 | grep -v -i warn | tail -24;;
 esac
 ls "$OUT"

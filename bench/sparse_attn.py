@@ -41,6 +41,8 @@ p.add_argument("--topk", type=int, default=2048)
 p.add_argument("--budget-s", type=float, default=420.0)
 p.add_argument("--no-stock", action="store_true")
 p.add_argument("--no-sweep", action="store_true")
+p.add_argument("--sweep-only", default="",
+               help="comma-separated substrings: sweep only the fwd / bwd variants whose name contains one")
 p.add_argument("--no-loss", action="store_true")
 p.add_argument("--out", default=os.environ.get("OUT", "/tmp/sparse_attn_out"))
 p.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "sparse_attn.csv"))
@@ -121,6 +123,15 @@ BWD_VARIANTS = {"scratch (default)": dict(variant="scratch"),
                 "split-dq32-dkv32x32": dict(split=True),
                 "split-dq32-dkv32x64": dict(split=True, dkv_cfg=dict(block_h=32, block_k=64, num_stages=1)),
                 "split-dq16-dkv32x32": dict(split=True, dq_cfg=dict(block_k=16))}
+
+
+def swept(variants: dict) -> dict:
+    """The variants --sweep-only keeps (all when empty); an unmatched filter is an error, not an empty sweep."""
+    only = [x.strip() for x in args.sweep_only.split(",") if x.strip()]
+    keep = {n: c for n, c in variants.items() if not only or any(o in n for o in only)}
+    if not keep:
+        raise SystemExit(f"--sweep-only {args.sweep_only!r} matches none of {list(variants)}")
+    return keep
 
 
 def causal_indices(T, K, seed=0):
@@ -260,7 +271,7 @@ def main():
             # sweep (first size, N = 128)
             if N == max(heads) and T == sizes[0] and not args.no_sweep:
                 best = None
-                for name, cfg in FWD_VARIANTS.items():
+                for name, cfg in swept(FWD_VARIANTS).items():
                     t = timed(lambda: km.sparse_mla_fwd(q, kv, idx, SCALE, 512, **cfg))
                     emit(kind="sweep", T=T, N=N, k=K, impl="ours", phase="fwd", variant=name, **t,
                          tflops=round(f_fl / t["ms"] / 1e9, 1))
@@ -269,7 +280,7 @@ def main():
                 fwd_name, fwd_cfg = best[1], FWD_VARIANTS[best[1]]
                 out, lse = km.sparse_mla_fwd(q, kv, idx, SCALE, 512, **fwd_cfg)
                 best = None
-                for name, cfg in BWD_VARIANTS.items():
+                for name, cfg in swept(BWD_VARIANTS).items():
                     if left() < 60 and best is not None:
                         break
                     t = timed(lambda: km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, SCALE, 512, **cfg))
