@@ -22,3 +22,17 @@ def rerun_under_interpreter(path: str, timeout: int = 600) -> None:
                         "-k", "not subprocess and not gpu"], env=env, capture_output=True, text=True,
                        timeout=timeout)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def compile_sm90_in_subprocess(script: str, timeout: int = 900) -> str:
+    """Run ``script`` (Python that compiles kernels for sm_90a with triton.compile, no GPU needed) in a
+    fresh process without the interpreter; its stdout. Skips when Triton ships no ptxas."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("no bundled ptxas: cannot compile for sm_90")
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout

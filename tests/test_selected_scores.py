@@ -12,7 +12,7 @@ import torch
 from hyscale_kernels.hytopk.reference import selected_scores_reference
 from hyscale_kernels.hytopk import selected_scores as ss_mod
 from hyscale_kernels.hytopk.selected_scores import selected_scores
-from interp_rerun import rerun_under_interpreter
+from interp_rerun import compile_sm90_in_subprocess, rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -325,15 +325,9 @@ def test_bwd_never_transposes_an_mma_tile_sm90():
     result is transposed: dk = dot(trans(dS), q) lowered to a #linear / shared-memory transpose of
     the wgmma accumulator layout, which Triton >= 3.4 miscompiles on Hopper (the bf16 GPU test
     failed at H = 64, D = 128 on an H200 while the same kernel is exact under the interpreter)."""
-    ptxas = os.path.join(os.path.dirname(__import__("triton").__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("no bundled ptxas: cannot compile for sm_90")
-    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "-c", _AOT % os.path.dirname(__file__)], env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "BAD" not in r.stdout, r.stdout
-    assert r.stdout.count("OK") == 2, r.stdout
+    out = compile_sm90_in_subprocess(_AOT % os.path.dirname(__file__), timeout=300)
+    assert "BAD" not in out, out
+    assert out.count("OK") == 2, out
 
 
 @pytest.mark.gpu

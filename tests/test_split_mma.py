@@ -7,13 +7,13 @@ GPU: the split kernels against the fp32 reference and the unsplit kernels.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from hyscale_kernels import _split_mma as sm
+from interp_rerun import compile_sm90_in_subprocess
+from test_sparse_mla import _gpu_case
 
 M = sm.MARKER
 
@@ -125,6 +125,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hyscale_kernels import _split_mma as sm
+from interp_rerun import compile_sm90_in_subprocess
+from test_sparse_mla import _gpu_case
 from hyscale_kernels.sparse_mla import kernel as km
 
 common = dict(DQK=576, V=512, R=64, K=2048, BLOCK_V=512, BLOCK_R=64, IEEE=False, EVEN=True, BIG=False)
@@ -154,17 +156,9 @@ def test_sm90_compile_halves_the_chained_mmas():
     """Compile the forward and the scratch dq kernel for sm_90a at the production tile (64 heads, 8 warps)
     with and without SPLIT_MMA: the split versions issue half the QK^T (and dO V^T) wgmma, keep the P V /
     dq MMAs, have no [8, 1] layout left, and ptxas builds both (smem within the 227 KB limit)."""
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("no bundled ptxas: cannot compile for sm_90")
-    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "-c", _AOT % os.path.dirname(__file__)], env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out = compile_sm90_in_subprocess(_AOT % os.path.dirname(__file__))
     rows = {}
-    for line in r.stdout.splitlines():
+    for line in out.splitlines():
         row = json.loads(line)
         assert row["cubin"] and row["smem"] <= 232448, row  # ptxas built it; within Hopper's 227 KB
         rows[row["name"], row["split"]] = row["wgmma"], [tuple(w) for w in row["warps"]]
@@ -176,19 +170,6 @@ def test_sm90_compile_halves_the_chained_mmas():
     assert d0["m64n16k16"] == 136 and d1["m64n16k16"] == 68, (d0, d1)
     assert {k: v for k, v in d0.items() if k != "m64n16k16"} == {k: v for k, v in d1.items() if k != "m64n16k16"}
     assert ("8", "1") in l0 and ("8", "1") not in l1
-
-def _gpu_case(T, N, S, K, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(T, N, 576, device="cuda", generator=gen).bfloat16()
-    kv = torch.randn(S, 576, device="cuda", generator=gen).bfloat16()
-    sc = torch.rand(T, S, device="cuda", generator=gen)
-    vis = torch.arange(S, device="cuda")[None, :] <= (S - T + torch.arange(T, device="cuda"))[:, None]
-    v, i = sc.masked_fill(~vis, -1.0).topk(K, dim=-1)
-    idx = i.masked_fill(v < 0, -1).int()
-    idx[3] = -1  # a fully masked row
-    idx[5, 1:] = -1  # a row with one key
-    return q, kv, idx
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [128, 64, 80])
@@ -202,7 +183,9 @@ def test_gpu_split_matches_reference_and_unsplit(N, K, monkeypatch):
 
     monkeypatch.setattr(km, "_alloc", lambda *s, dtype, device: torch.full(s, float("nan"), dtype=dtype, device=device))
     T, S, scale = 512, 2560, 576 ** -0.5
-    q, kv, idx = _gpu_case(T, N, S, K)
+    q, kv, idx = _gpu_case(T, N, S, K)  # causal, duplicate-free, -1 padded
+    idx[3] = -1  # a fully masked row
+    idx[5, 1:] = -1  # a row with one key
     dout = torch.randn(T, N, 512, device="cuda").bfloat16()
     qf, kvf = q.float().requires_grad_(), kv.float().requires_grad_()
     o, lse = sparse_mla_reference(qf, kvf, idx, scale, v_dim=512)
