@@ -53,6 +53,7 @@ T0 = time.time()
 # name -> config overrides (smem from `bench/check_sparse_mla.py --resources --only=target`, sm_90a)
 CONFIGS = {
     "default (64h x 64k, 8w, 2st)": {},
+    "64h x 64k split": dict(split_mma=True),  # session 8, untimed: QK^T split over the two warpgroups
     "64h x 32k": dict(block_k=32),  # 152 KB
     "64h x 64k, 3st": dict(num_stages=3),  # 226 KB
     "64h x 64k, 4w": dict(num_warps=4),  # 222 KB

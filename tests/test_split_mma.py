@@ -128,6 +128,7 @@ from hyscale_kernels import _split_mma as sm
 from interp_rerun import compile_sm90_in_subprocess
 from test_sparse_mla import _gpu_case
 from hyscale_kernels.sparse_mla import kernel as km
+from hyscale_kernels.indexer_loss import target as tk
 
 common = dict(DQK=576, V=512, R=64, K=2048, BLOCK_V=512, BLOCK_R=64, IEEE=False, EVEN=True, BIG=False)
 ptrs = dict(q="*bf16", kv="*bf16", idx="*i32")
@@ -137,7 +138,9 @@ kinds = dict(
     dq=(km._sparse_mla_bwd_dq_kernel, dict(ptrs, o="*bf16", do="*bf16", lse="*fp32", dlse="*fp32", delta="*fp32",
                                            dq="*bf16", pds="*bf16", row0="i32", dq_row0="i32", scale="fp32",
                                            scale_log2="fp32", N="i32", N_HB="i32"),
-        dict(common, BLOCK_H=64, BLOCK_K=32, HAS_DLSE=False, SCRATCH=True), 2))
+        dict(common, BLOCK_H=64, BLOCK_K=32, HAS_DLSE=False, SCRATCH=True), 2),
+    target=(tk._target_kernel, dict(ptrs, lse="*fp32", tgt="*fp32", scale_log2="fp32", N="i32", N_HB="i32"),
+            dict(common, BLOCK_H=64, BLOCK_K=64, ATOMIC=True), 2))
 for name, (fn, sig, const, stages) in kinds.items():
     names = list(fn.arg_names)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*") or a == "N"}
@@ -153,9 +156,10 @@ for name, (fn, sig, const, stages) in kinds.items():
 
 
 def test_sm90_compile_halves_the_chained_mmas():
-    """Compile the forward and the scratch dq kernel for sm_90a at the production tile (64 heads, 8 warps)
-    with and without SPLIT_MMA: the split versions issue half the QK^T (and dO V^T) wgmma, keep the P V /
-    dq MMAs, have no [8, 1] layout left, and ptxas builds both (smem within the 227 KB limit)."""
+    """Compile the forward, the scratch dq kernel and the loss-target kernel for sm_90a at the production
+    tile (64 heads, 8 warps) with and without SPLIT_MMA: the split versions issue half the QK^T (and dO V^T)
+    wgmma, keep the P V / dq MMAs, have no [8, 1] layout left, and ptxas builds both (smem within the 227 KB
+    limit)."""
     out = compile_sm90_in_subprocess(_AOT % os.path.dirname(__file__))
     rows = {}
     for line in out.splitlines():
@@ -170,14 +174,21 @@ def test_sm90_compile_halves_the_chained_mmas():
     assert d0["m64n16k16"] == 136 and d1["m64n16k16"] == 68, (d0, d1)
     assert {k: v for k, v in d0.items() if k != "m64n16k16"} == {k: v for k, v in d1.items() if k != "m64n16k16"}
     assert ("8", "1") in l0 and ("8", "1") not in l1
+    (t0, l0), (t1, l1) = rows["target", 0], rows["target", R]  # the loss target's QK^T (no P V)
+    assert t0 == {"m64n32k16": 68} and t1 == {"m64n32k16": 36}, (t0, t1)
+    assert ("8", "1") in l0 and ("8", "1") not in l1
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [128, 64, 80])
 @pytest.mark.parametrize("K", [2048, 1000])
 def test_gpu_split_matches_reference_and_unsplit(N, K, monkeypatch):
-    """bf16, real tiles: the split forward and the split scratch dq kernel against the fp32 reference
+    """bf16, real tiles: the split forward, the split scratch dq kernel and the split loss-target kernel
+    (L1-normalised) against the fp32 reference
     (relative L2 < 2e-2, as the default kernels) and against the unsplit kernels (close: same sums, only
     the warps that compute them differ); no NaN where the kernels write (outputs are NaN-filled first)."""
+    from hyscale_kernels.indexer_loss.reference import sparse_indexer_target
+    from hyscale_kernels.indexer_loss.target import sparse_attention_target
     from hyscale_kernels.sparse_mla import sparse_mla_reference
     from hyscale_kernels.sparse_mla import kernel as km
 
@@ -196,8 +207,11 @@ def test_gpu_split_matches_reference_and_unsplit(N, K, monkeypatch):
         out, lse = km.sparse_mla_fwd(q, kv, idx, scale, 512, split_mma=split)
         dq, dkv = km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, scale, 512, dq_cfg=dict(split_mma=split))
         res[split] = dict(out=out, lse=lse, dq=dq, dkv=dkv)
+        t = sparse_attention_target(q, kv, idx, lse, scale, config=dict(split_mma=split))  # unnormalised
+        res[split]["tgt"] = t / t.sum(-1, keepdim=True).clamp_min(1e-10)
+    ref["tgt"] = sparse_indexer_target(qf.detach(), kvf.detach(), idx, scale, lse=ref["lse"])  # normalised
     fin = torch.isfinite(ref["lse"])
-    for name in ("out", "lse", "dq", "dkv"):
+    for name in ("out", "lse", "dq", "dkv", "tgt"):
         a, b, r = res[True][name].float(), res[False][name].float(), ref[name]
         if name == "lse":
             assert torch.equal(torch.isfinite(a), fin)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .._common import check, check_tensor
+from .._split_mma import split_flag, split_mma_mark
 from ..sparse_mla.kernel import _block_h, _dot, _gather_kv, _load_rows, _mac, _meta
 
 LOG2E = 1.4426950408889634
@@ -23,8 +24,9 @@ LOG2E = 1.4426950408889634
 def _target_kernel(q, kv, idx, lse, tgt, scale_log2, N, N_HB,
                    DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-                   IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, ATOMIC: tl.constexpr):
-    pid = tl.program_id(0)
+                   IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, ATOMIC: tl.constexpr,
+                   SPLIT_MMA: tl.constexpr = 0):
+    pid = split_mma_mark(tl.program_id(0), SPLIT_MMA)  # SPLIT_MMA: QK^T split over warpgroups (_split_mma.py)
     i_t = pid // N_HB  # query token
     i_h = pid % N_HB  # head block (fastest: the head blocks of a token share its gathers in L2)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -53,7 +55,9 @@ def _target_kernel(q, kv, idx, lse, tgt, scale_log2, N, N_HB,
 # BLOCK_K 64, 8 warps, 2 stages: the attention forward's best config on the H200 (the same gathers and QK
 # tiles, without the PV product); the old 32-key, masked-gather version ran at ~110 TFLOP/s (180 ms at
 # T = 64K, N = 128 in bench/results/sparse_attn.csv).
-TARGET_CFG = dict(block_k=64, num_warps=8, num_stages=2)
+# split_mma (opt-in, untimed): the first of the two chained QK^T dots gets warpsPerCTA [8, 1] (both warpgroups
+# compute it) and its accumulator is converted to the second's [4, 2] every key tile; split, both are [4, 2].
+TARGET_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=False)
 
 
 def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor,
@@ -64,7 +68,7 @@ def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torc
         query: [T, N, Dqk] (bf16/fp16/fp32), kv: [S, Dqk] same dtype, indices: [T, topk] int32/int64
         (-1 padded), lse: [T, N] fp32 natural-log LSE of the sparse attention over those keys.
         config: launch overrides (benchmarks): block_h (heads per program, power of two >= 16; default
-        min(64, N rounded up)), block_k, num_warps, num_stages (default TARGET_CFG).
+        min(64, N rounded up)), block_k, num_warps, num_stages, split_mma (default TARGET_CFG).
     """
     check_tensor("query", query, 3, (torch.bfloat16, torch.float16, torch.float32))
     T, N, DQK = query.shape
@@ -78,7 +82,7 @@ def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torc
     K = indices.shape[1]
     interp = not query.is_cuda
     cfg = dict(TARGET_CFG, **(config or {}))
-    bad = set(cfg) - {"block_h", "block_k", "num_warps", "num_stages"}
+    bad = set(cfg) - {"block_h", "block_k", "num_warps", "num_stages", "split_mma"}
     check(not bad, f"sparse_attention_target: unknown config keys {sorted(bad)}")
     bh = cfg.get("block_h")
     check(bh is None or (isinstance(bh, int) and bh >= 16 and bh & (bh - 1) == 0),
@@ -92,6 +96,7 @@ def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torc
         query.contiguous(), kv.contiguous(), indices.contiguous(), lse.contiguous(), tgt,
         float(softmax_scale) * LOG2E, N, n_hb, BLOCK_H=block_h, BLOCK_K=16 if interp else cfg["block_k"],
         **_meta(query, kv, indices, v_dim), ATOMIC=n_hb > 1,
+        SPLIT_MMA=split_flag(bool(cfg["split_mma"]), interp, block_h, cfg["num_warps"]),
         num_warps=4 if interp else cfg["num_warps"], num_stages=1 if interp else cfg["num_stages"],
     )
     return tgt
