@@ -116,6 +116,22 @@ def test_unmarked_module_passes_through():
     assert sm._split_module(mod) is mod
 
 
+def test_unparsable_rewrite_keeps_the_module(caplog):
+    """A rewrite Triton cannot read back (here: not even MLIR) leaves the module as Triton made it, with a
+    warning naming the kernel, instead of failing the compile."""
+    class Mod:
+        context = None
+
+        def __str__(self):
+            return _ttgir((8, 1), 32, [(64, 64)])  # marked and rewritable, but not a real module
+
+    mod = Mod()
+    sm._logged.discard("k:error")
+    with caplog.at_level("WARNING", logger="hyscale_kernels"):
+        assert sm._split_module(mod) is mod
+    assert "split_mma: k: the rewritten TTGIR does not parse" in caplog.text
+
+
 _AOT = r"""
 import collections, json, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
