@@ -102,7 +102,7 @@ def resources(cfgs, H=64, D=128, kk=2048):
         const = dict(H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
                      RELU=True, SELECT=select, WRITE_SCORES=False, IEEE=False, WHILE_LOOPS=False,
                      SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w, WARM_Z=op.WARM_Z, WARM_MIN=op.WARM_MIN,
-                     APPEND=op.APPENDS.index(cfg.append) if select else 0)
+                     APPEND=op.APPENDS.index(cfg.append) if select else 0, LANE_ROWS=op.lane_rows(cfg, R, H))
         try:
             t0 = time.time()
             kern = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const, attrs),
@@ -434,6 +434,8 @@ SWEEP = [
     replace(_D, search_bits=1),  # cfg8: the 1-bit select
     replace(_D, append="tile", search_bits=1),  # cfg9: the default before session 6
     replace(_D, cap_mult=4),  # cfg10: twice the candidate slots, fewer compactions
+    replace(_D, lane_rows=True),  # cfg11 (session 8, untimed): whole rows per accumulator lane, 746 -> 574
+    # instrs per key tile on the sm_90a compile (floor 529 -> 500)
 ]
 BEST = {}
 if "sweep" in args.parts:
@@ -451,12 +453,14 @@ if "sweep" in args.parts:
         elif H == 32:  # rows_x_heads 256 = 8 rows per tile: the key loop spills (sm_90a: 86 LDL/STL per tile,
             # 1216 instrs); 128 = 4 rows as at H64: 598 instrs, no spills in the loop (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=128), SWEEP[2], SWEEP[1],
-                     replace(SWEEP[0], rows_x_heads=128, num_stages=4)]  # cfg2 (128, 3 stages): default since s. 7
+                     replace(SWEEP[0], rows_x_heads=128, num_stages=4),  # cfg2 (128, 3 stages): default since s. 7
+                     replace(SWEEP[0], rows_x_heads=128, lane_rows=True)]  # cfg5: session 8, untimed
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],
                      SWEEP[5], SWEEP[7], SWEEP[8],  # cfg2 (32): default since s. 7
-                     replace(SWEEP[0], rows_x_heads=32, num_stages=3), replace(SWEEP[0], rows_x_heads=16)]
+                     replace(SWEEP[0], rows_x_heads=32, num_stages=3), replace(SWEEP[0], rows_x_heads=16),
+                     replace(SWEEP[0], rows_x_heads=32, lane_rows=True)]  # cfg9: session 8, untimed
         if args.smoke:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
                      replace(default_config(H, kk, interpret=True), append="tile")]

@@ -159,6 +159,45 @@ def test_block_rows_config(search_bits):
     assert_same_selection(q, w, k, st, en, topk, False, idx, val)
 
 
+@interp
+@pytest.mark.parametrize("H,rows_x_heads,append,warm", [(4, 16, "mask", 0), (4, 16, "tile", 32), (2, 16, "mask", 32),
+                                                         (2, 16, "tile", 0)])
+def test_lane_rows_column_order(H, rows_x_heads, append, warm):
+    """Config.lane_rows (score-tile columns ordered so that each accumulator lane holds whole rows) at 4 and
+    8 rows per tile, both appends, with and without the warm start: the reference's sets, and the same sets
+    and scores (to fp32 rounding: another head-sum order) as the (row, head) order."""
+    from hyscale_kernels.hytopk import op
+
+    T, S, topk = 23, 90, 12
+    q, w, k = _inputs(T, S, H, seed=17)
+    w[5] = -w[5].abs()
+    st, en = causal_bounds(T, S, offset=S - T)
+    st, en = st.clone(), en.clone()
+    st[2], en[2] = 4, 4  # a fully masked row
+    base = Config(block_n=16, rows_x_heads=rows_x_heads, num_warps=1, num_stages=1, programs_per_sm=1,
+                  min_free_tiles=1, sel_chunk=64, append=append, warm_start=warm)
+    R = rows_x_heads // H
+    base = Config(**dict(base.__dict__, lane_rows=True))
+    assert op.lane_rows(base, R, H) and not op.lane_rows(Config(lane_rows=False), R, H)
+    res = {}
+    for lane in (True, False):
+        cfg = Config(**dict(base.__dict__, lane_rows=lane))
+        res[lane] = hytopk(q, w, k, st, en, topk, relu=False, return_scores=True, config=cfg)
+        assert_same_selection(q, w, k, st, en, topk, False, *res[lane])
+    assert torch.equal(res[True][0], res[False][0])
+    torch.testing.assert_close(res[True][1], res[False][1], rtol=1e-6, atol=1e-6)
+
+
+def test_lane_rows_needs_four_rows_and_even_heads():
+    from hyscale_kernels.hytopk import op
+
+    assert not Config().lane_rows  # opt-in until timed on the H200
+    cfg = Config(lane_rows=True)
+    assert op.lane_rows(cfg, 4, 64) and op.lane_rows(cfg, 8, 4)
+    assert not op.lane_rows(cfg, 2, 8) and not op.lane_rows(cfg, 1, 64)  # fewer than 4 rows: (row, head) order
+    assert not op.lane_rows(cfg, 4, 3)  # odd head count
+
+
 def test_interpreter_in_subprocess():
     """Triton imported here without the interpreter: run this file's kernel tests in a fresh process."""
     rerun_under_interpreter(__file__)
@@ -243,15 +282,21 @@ def test_reference_path_and_log(caplog, monkeypatch):
     (3000, 5000, 32, 2048, False, 1),
     (8192, 2048, 4, 512, True, 4),
 ])
-def test_gpu_matches_reference(T, S, H, topk, relu, ratio):
+@pytest.mark.parametrize("lane_rows", [False, True])
+def test_gpu_matches_reference(T, S, H, topk, relu, ratio, lane_rows):
+    from dataclasses import replace
+
+    from hyscale_kernels.hytopk.op import default_config
+
     q, w, k = _inputs(T, S, H, D=128, seed=T, dtype=torch.bfloat16, device="cuda", w_sign=not relu)
     if ratio == 1:
         st, en = causal_bounds(T, S, offset=S - T, device="cuda")
     else:
         t = torch.arange(T, device="cuda")
         st, en = torch.zeros_like(t, dtype=torch.int32), ((t + 1) // ratio).to(torch.int32)
-    idx, val = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True)
-    assert torch.equal(idx, hytopk(q, w, k, st, en, topk, relu=relu))
+    cfg = replace(default_config(H, topk), lane_rows=lane_rows)
+    idx, val = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=cfg)
+    assert torch.equal(idx, hytopk(q, w, k, st, en, topk, relu=relu, config=cfg))
     rows = torch.cat([torch.arange(0, T, max(1, T // 48)), torch.arange(T - 8, T)]).cuda()
     assert_same_selection(q[rows].float(), w[rows].float(), k.float(), st[rows], en[rows], topk, relu,
                           idx[rows], val[rows], tol=1e-5)

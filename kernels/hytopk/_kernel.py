@@ -171,9 +171,28 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
 
 
 @triton.jit
+def _block_columns(R: tl.constexpr, H: tl.constexpr, LANE_ROWS: tl.constexpr):
+    """Flattened (row * H + head) of each column of the score tile's MMA, [R*H] int32.
+
+    LANE_ROWS (R % 4 == 0, H even): column c = ((head // 2) * (R // 4) + row // 4) * 8 + (row % 4) * 2
+    + head % 2. An MMA accumulator gives lane l of a quad the column pairs {8j + 2l, 8j + 2l + 1}: with this
+    order lane l holds every head of rows l, l + 4, ... and no other row, so the head sum stays inside the
+    thread and each (key, row) score lives in one thread only. In (row, head) order the four lanes share
+    every row: the sum needs shuffles and leaves each score in four threads, which then all ran the
+    selection and the stores (4x the per-key work in the sm_90a key loop)."""
+    o_c = tl.arange(0, R * H)  # [R*H]
+    if LANE_ROWS:
+        g: tl.constexpr = R // 4
+        row = ((o_c // 8) % g) * 4 + (o_c % 8) // 2
+        head = (o_c // (8 * g)) * 2 + o_c % 2
+        return row * H + head
+    return o_c
+
+
+@triton.jit
 def _row_block_scores(b_k, b_qT, b_w, H: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
-                      RELU: tl.constexpr, IEEE: tl.constexpr):
-    """Scores of one key tile for the block's rows: sc[BLOCK_N, R] fp32."""
+                      RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr):
+    """Scores of one key tile for the block's rows: sc[BLOCK_N, R] fp32 (columns as _block_columns)."""
     if IEEE:
         acc = tl.dot(b_k, b_qT, input_precision="ieee")  # [BLOCK_N, R*H]
     else:
@@ -181,18 +200,21 @@ def _row_block_scores(b_k, b_qT, b_w, H: tl.constexpr, R: tl.constexpr, BLOCK_N:
     if RELU:
         acc = tl.maximum(acc, 0.0)
     acc = acc * b_w[None, :]
+    if LANE_ROWS:  # [BLOCK_N, head pair, row group, row in group, head parity]: sum the heads, keep the rows
+        sc = tl.sum(tl.sum(tl.reshape(acc, [BLOCK_N, H // 2, R // 4, 4, 2]), axis=4), axis=1)  # [BLOCK_N, R//4, 4]
+        return tl.reshape(sc, [BLOCK_N, R])
     return tl.sum(tl.reshape(acc, [BLOCK_N, R, H]), axis=2)  # [BLOCK_N, R]
 
 
 @triton.jit
 def _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr,
-                 R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr):
+                 R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr = False):
     """Key tile i_n: its key indices [BLOCK_N], scores [BLOCK_N, R] and visibility [BLOCK_N, R]."""
     o_s = lo + i_n * BLOCK_N + o_n  # [BLOCK_N] key indices
     m_s = o_s < hi
     b_k = tl.load(k_ptr + o_s.to(tl.int64)[:, None] * D + o_d[None, :],
                   mask=m_s[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
-    sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE)  # [BLOCK_N, R]
+    sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)  # [BLOCK_N, R]
     m_vis = (o_s[:, None] >= b_start[None, :]) & (o_s[:, None] < b_end[None, :])  # [BLOCK_N, R]
     return o_s, sc, m_vis
 
@@ -200,10 +222,10 @@ def _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H
 @triton.jit
 def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows,
               o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
-              RELU: tl.constexpr, SELECT: tl.constexpr, IEEE: tl.constexpr):
+              RELU: tl.constexpr, SELECT: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr = False):
     """One key tile: score it and append each row's new candidates (the caller made room)."""
     o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
-                                  H, D, R, BLOCK_N, RELU, IEEE)
+                                  H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)
     if SELECT:
         key = tl.where(m_vis, _score_to_key(sc), INT32_MIN)  # [BLOCK_N, R]
         m_c = key > thr[None, :]  # strict: a later key that ties the threshold loses
@@ -218,10 +240,10 @@ def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, ke
 
 @triton.jit
 def _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr,
-               R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr):
+               R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr = False):
     """Key tile i_n scored as in _key_tile: int32 keys [BLOCK_N, R], INT32_MIN where not visible."""
     o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
-                                  H, D, R, BLOCK_N, RELU, IEEE)
+                                  H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)
     return tl.where(m_vis, _score_to_key(sc), INT32_MIN)
 
 
@@ -260,14 +282,14 @@ def _store2(p_a, v_a, p_b, v_b, m, HW: tl.constexpr):
 @triton.jit
 def _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows, o_n, o_d, m_d,
               H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
-              IEEE: tl.constexpr, HW: tl.constexpr):
+              IEEE: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr = False):
     """Key tile i_n with a bit-mask append (Config.append="mask", BLOCK_N <= 64): no prefix sum.
 
     Each row's candidates become one int64 mask (bit j = key j of the tile) by a sum over the tile's
     keys, which stays in the scores' MMA-derived layout (no conversion for a scan); a candidate's
     slot is cnt + popc(mask & bits below its own). Same slots as the prefix sum of _key_tile."""
     key = _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
-                     H, D, R, BLOCK_N, RELU, IEEE)  # [BLOCK_N, R]
+                     H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)  # [BLOCK_N, R]
     o_s = lo + i_n * BLOCK_N + o_n  # [BLOCK_N] key indices
     m_c = key > thr[None, :]  # strict: a later key that ties the threshold loses
     b_bit = tl.full([BLOCK_N, R], 1, tl.int64) << o_n.to(tl.int64)[:, None]  # [BLOCK_N, R] each key's bit
@@ -280,7 +302,7 @@ def _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows,
 @triton.jit
 def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
                  H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, WARM: tl.constexpr,
-                 RELU: tl.constexpr, IEEE: tl.constexpr):
+                 RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr = False):
     """Warm-start sample slots [i_t, i_t + BLOCK_N): key index lo + slot * span // WARM.
 
     Scores them with the main loop's code (same MMA, activation, weights, head sum, int32 key)
@@ -292,7 +314,7 @@ def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n,
     o_s = lo + ((o_i.to(tl.int64) * span) // WARM).to(tl.int32)  # [BLOCK_N] distinct key indices
     b_k = tl.load(k_ptr + o_s.to(tl.int64)[:, None] * D + o_d[None, :],
                   mask=m_i[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
-    sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE)  # [BLOCK_N, R]
+    sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)  # [BLOCK_N, R]
     m_vis = m_i[:, None] & (o_s[:, None] >= b_start[None, :]) & (o_s[:, None] < b_end[None, :])
     key = tl.where(m_vis, _score_to_key(sc), INT32_MIN)  # [BLOCK_N, R]
     tl.store(key_rows[None, :] + o_i[:, None], key, mask=m_i[:, None])
@@ -303,7 +325,7 @@ def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n,
 def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n, o_d, m_d,
                     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
                     WARM: tl.constexpr, CHUNK_W: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr,
-                    RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr):
+                    RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr, LANE_ROWS: tl.constexpr = False):
     """Each row's starting threshold key tau [R] (INT32_MIN: no warm start for that row).
 
     Only run when some row sees more than CAP keys (fewer never compact), so hi - lo > CAP >=
@@ -329,7 +351,7 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
     m_smp = tl.zeros_like(n_vis)  # [R] visible samples per row
     for i_t in range(0, WARM, BLOCK_N):
         m_smp += _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
-                              H, D, R, BLOCK_N, WARM, RELU, IEEE)
+                              H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS=LANE_ROWS)
     tl.debug_barrier()  # sample keys visible to every thread
     p0 = kk / tl.maximum(n_vis, 1).to(tl.float32)  # [R] fraction of the row's keys that is kept
     mu = m_smp.to(tl.float32) * p0
@@ -351,14 +373,14 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
 @triton.jit
 def _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows, o_n, o_d, m_d,
                  H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
-                 SELECT: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr, HW: tl.constexpr):
+                 SELECT: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr = False):
     """One step of the key loop from tile i_n: Config.append's way (the floor, SELECT=False, always tiles)."""
     if APPEND == 1 and SELECT:
         cnt = _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
-                        o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW)
+                        o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW, LANE_ROWS=LANE_ROWS)
     else:
         cnt, thr, b_max = _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
-                                    key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, SELECT, IEEE)
+                                    key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, SELECT, IEEE, LANE_ROWS=LANE_ROWS)
     return cnt, thr, b_max
 
 
@@ -367,7 +389,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
               o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
-              APPEND: tl.constexpr = 0):
+              APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False):
     """The row block's key loop (all its tiles, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask)."""
@@ -389,13 +411,13 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
             while i_n < i_e:
                 cnt, thr, b_max = _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                                key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU,
-                                               SELECT, IEEE, APPEND, not WHILE_LOOPS)
+                                               SELECT, IEEE, APPEND, not WHILE_LOOPS, LANE_ROWS=LANE_ROWS)
                 i_n += 1
         else:
             for i_j in range(i_n, i_n + n_seg):
                 cnt, thr, b_max = _append_step(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                                key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU,
-                                               SELECT, IEEE, APPEND, not WHILE_LOOPS)
+                                               SELECT, IEEE, APPEND, not WHILE_LOOPS, LANE_ROWS=LANE_ROWS)
             i_n += n_seg
     return cnt, thr, b_max
 
@@ -412,13 +434,13 @@ def hytopk_kernel(
     RELU: tl.constexpr, SELECT: tl.constexpr, WRITE_SCORES: tl.constexpr, IEEE: tl.constexpr,
     WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
     WARM: tl.constexpr = 0, CHUNK_W: tl.constexpr = 1, WARM_Z: tl.constexpr = 4.0, WARM_MIN: tl.constexpr = 16,
-    APPEND: tl.constexpr = 0,
+    APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False,
 ):
     i_p = tl.program_id(0)
     RH: tl.constexpr = R * H
     o_d = tl.arange(0, D_P2)  # [D_P2]
     m_d = o_d < D
-    o_rh = tl.arange(0, RH)  # [RH]
+    o_rh = _block_columns(R, H, LANE_ROWS)  # [RH] (row, head) of each score-tile column
     o_r = tl.arange(0, R)  # [R]
     o_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     # this program's scratch rows, reused for every row block it owns
@@ -438,7 +460,7 @@ def hytopk_kernel(
         hi = tl.max(tl.where(m_live, b_end, 0), axis=0)
         n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
 
-        o_m = i_blk * RH + o_rh  # [RH] flattened (row, head)
+        o_m = i_blk * RH + o_rh  # [RH] flattened (row, head), in the tile's column order
         m_m = o_m < T * H
         b_q = tl.load(q_ptr + o_m.to(tl.int64)[:, None] * D + o_d[None, :],
                       mask=m_m[:, None] & m_d[None, :], other=0.0)  # [RH, D_P2]
@@ -452,7 +474,7 @@ def hytopk_kernel(
             if tl.max(tl.where(m_live, b_end - b_start, 0), axis=0) > CAP:
                 thr = _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n,
                                       o_d, m_d, H, D, R, BLOCK_N, CAP, WARM, CHUNK_W, WARM_Z, WARM_MIN,
-                                      RELU, IEEE, SEARCH2)
+                                      RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS)
             on = thr > INT32_MIN  # [R] rows started from a sampled threshold
             n_on = tl.sum(on.to(tl.int32), axis=0)
             n_fail = n_on * 0
@@ -461,7 +483,7 @@ def hytopk_kernel(
             while i_pass < n_pass:
                 cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                             key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
-                                            CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND)
+                                            CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS)
                 # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
                 # keep their buffers and append nothing more (no key is > INT32_MAX)
                 fail = on & (cnt < kk)  # [R]; all False after the first pass
@@ -478,7 +500,7 @@ def hytopk_kernel(
         else:
             cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
-                                        CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND)
+                                        CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS)
 
         if SELECT:
             tl.debug_barrier()

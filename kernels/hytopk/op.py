@@ -56,6 +56,12 @@ class Config:
     # 1.07-1.12x faster at 64K (H200, session 6). ("pair", one append per two tiles, was 1.29x slower:
     # its 133 KB of K buffers allow only one program per SM; removed.)
     append: str = "mask"
+    # score-tile columns ordered so that each lane of the MMA accumulator holds whole rows: the head sum
+    # stays in the thread and each (key, row) score lives in one thread, not four (which all ran the
+    # selection and its stores). sm_90a key loop per 64-key tile at H 64 (bench/NOTES_hytopk.md, session 8):
+    # 746 -> 574 instrs, floor 529 -> 500. Needs 4 | rows per tile and an even H (ignored otherwise). Same
+    # index sets; the fp32 head sum runs in another order. Opt-in until timed on the H200.
+    lane_rows: bool = False
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -115,6 +121,11 @@ def _geometry(H: int, D: int, topk: int, cfg: Config):
     return R, cap, chunk, min_free, _pow2_ceil(max(D, 16))
 
 
+def lane_rows(cfg: Config, R: int, H: int) -> bool:
+    """Whether the launch uses Config.lane_rows' column order (4 | R and H even)."""
+    return bool(cfg.lane_rows) and R % 4 == 0 and H % 2 == 0
+
+
 def _warm_geometry(cap: int, chunk: int, cfg: Config):
     """(WARM, CHUNK_W): warm-start sample keys per row block (0 = off) and their select chunk."""
     if cfg.warm_start <= 0:
@@ -159,6 +170,7 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
         RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(select and return_scores),
         IEEE=q.dtype == torch.float32, WHILE_LOOPS=interp, SEARCH2=cfg.search_bits == 2,
         WARM=warm, CHUNK_W=chunk_w, WARM_Z=WARM_Z, WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
+        LANE_ROWS=lane_rows(cfg, R, H),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if warm:
