@@ -214,6 +214,7 @@ def _compile_report(fn, sig, const, cfg):
 def resources(N=128, K=2048):
     """Compile every swept config for sm_90a without a GPU; print smem, registers, spills."""
     from hyscale_kernels._split_mma import REVISION as SPLIT_REV
+    from hyscale_kernels._split_mma import install as install_split_hook
     from hyscale_kernels.indexer_loss import target as tk
     from hyscale_kernels.sparse_mla import kernel as km
 
@@ -247,6 +248,7 @@ def resources(N=128, K=2048):
          dict(ptrs, do="*bf16", lse="*fp32", delta="*fp32", dq="*bf16", dkv="*fp32", row0="i32",
               scale="fp32", scale_log2="fp32", N="i32", N_HB="i32"), dict(DETERMINISTIC=False)),
     )
+    install_split_hook()  # compiled here directly, not through a launcher's split_flag
     only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")]
     for name, fn, cfgs, sig, extra in kinds:
         if only and name not in only[0].split(","):

@@ -16,8 +16,8 @@ Opt-in. The kernel passes a value through ``split_mma_mark(x, SPLIT_MMA)``: with
 one-instruction PTX ``mov`` whose text carries MARKER; with 0 it is ``x`` itself. ``SPLIT_MMA`` is a
 constexpr, so the split and unsplit kernels are distinct Triton cache entries (Triton's cache key does not
 include compile hooks), and bumping REVISION retires binaries compiled by an older rule. The hook is
-installed when a kernel module imports this one (``install()``), chains any hook already set, and touches
-only modules that carry the marker. The interpreter (CPU) ignores layouts: launchers pass 0 there.
+installed by the first launch that asks for a split (``split_flag`` -> ``install()``; AOT scripts call
+``install()`` themselves), chains any hook already set, and touches only modules that carry the marker. The interpreter (CPU) ignores layouts: launchers pass 0 there.
 """
 
 from __future__ import annotations
@@ -54,7 +54,10 @@ def split_mma_mark(x, SPLIT_MMA: tl.constexpr):
 def split_flag(on: bool, interpret: bool, rows: int, num_warps: int) -> int:
     """The SPLIT_MMA constexpr a launcher passes: REVISION when asked for, compiled (not interpreted) and the
     chained dots' ``rows`` (a multiple of one warpgroup's 64) are fewer than ``num_warps`` warps cover."""
-    return REVISION if (on and not interpret and rows % 64 == 0 and 16 * num_warps > rows) else 0
+    if not (on and not interpret and rows % 64 == 0 and 16 * num_warps > rows):
+        return 0
+    install()  # only processes that ask for a split kernel get the hook
+    return REVISION
 
 
 def rewrite(ttgir: str) -> tuple[str, list[str]]:

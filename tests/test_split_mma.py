@@ -70,7 +70,12 @@ def test_rewrite_leaves_other_layouts(case):
     assert new == text and notes == []
 
 
-def test_split_flag():
+def test_split_flag(monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", None)
+    monkeypatch.setattr(sm._hook, "prev", None)
+    assert sm.split_flag(False, False, 64, 8) == 0 and knobs.runtime.add_stages_inspection_hook is None
     R = sm.REVISION
     assert sm.split_flag(True, False, 64, 8) == R
     assert sm.split_flag(True, False, 64, 16) == R
@@ -79,6 +84,7 @@ def test_split_flag():
     assert sm.split_flag(True, False, 128, 8) == 0  # 8 warps cover 128 rows: nothing replicated
     assert sm.split_flag(True, False, 16, 4) == 0  # one warpgroup
     assert sm.split_flag(True, False, 32, 8) == 0  # below one wgmma M
+    assert knobs.runtime.add_stages_inspection_hook is sm._hook  # installed by the first split request
 
 
 def test_install_is_idempotent_and_chains(monkeypatch):
@@ -141,10 +147,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hyscale_kernels import _split_mma as sm
-from interp_rerun import compile_sm90_in_subprocess
-from test_sparse_mla import _gpu_case
 from hyscale_kernels.sparse_mla import kernel as km
 from hyscale_kernels.indexer_loss import target as tk
+
+sm.install()  # triton.compile directly: no launcher's split_flag installs it
 
 common = dict(DQK=576, V=512, R=64, K=2048, BLOCK_V=512, BLOCK_R=64, IEEE=False, EVEN=True, BIG=False)
 ptrs = dict(q="*bf16", kv="*bf16", idx="*i32")

@@ -208,7 +208,8 @@ def _row_block_scores(b_k, b_qT, b_w, H: tl.constexpr, R: tl.constexpr, BLOCK_N:
 
 @triton.jit
 def _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr,
-                 R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr = False):
+                 R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr,
+                 LANE_ROWS: tl.constexpr):
     """Key tile i_n: its key indices [BLOCK_N], scores [BLOCK_N, R] and visibility [BLOCK_N, R]."""
     o_s = lo + i_n * BLOCK_N + o_n  # [BLOCK_N] key indices
     m_s = o_s < hi
@@ -222,7 +223,7 @@ def _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H
 @triton.jit
 def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows,
               o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
-              RELU: tl.constexpr, SELECT: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr = False):
+              RELU: tl.constexpr, SELECT: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr):
     """One key tile: score it and append each row's new candidates (the caller made room)."""
     o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
                                   H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)
@@ -240,7 +241,7 @@ def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, ke
 
 @triton.jit
 def _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr,
-               R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr = False):
+               R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr):
     """Key tile i_n scored as in _key_tile: int32 keys [BLOCK_N, R], INT32_MIN where not visible."""
     o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
                                   H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)
@@ -282,7 +283,7 @@ def _store2(p_a, v_a, p_b, v_b, m, HW: tl.constexpr):
 @triton.jit
 def _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows, o_n, o_d, m_d,
               H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
-              IEEE: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr = False):
+              IEEE: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr):
     """Key tile i_n with a bit-mask append (Config.append="mask", BLOCK_N <= 64): no prefix sum.
 
     Each row's candidates become one int64 mask (bit j = key j of the tile) by a sum over the tile's
@@ -302,7 +303,7 @@ def _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows,
 @triton.jit
 def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
                  H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, WARM: tl.constexpr,
-                 RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr = False):
+                 RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr):
     """Warm-start sample slots [i_t, i_t + BLOCK_N): key index lo + slot * span // WARM.
 
     Scores them with the main loop's code (same MMA, activation, weights, head sum, int32 key)
@@ -325,7 +326,7 @@ def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n,
 def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n, o_d, m_d,
                     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
                     WARM: tl.constexpr, CHUNK_W: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr,
-                    RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr, LANE_ROWS: tl.constexpr = False):
+                    RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr, LANE_ROWS: tl.constexpr):
     """Each row's starting threshold key tau [R] (INT32_MIN: no warm start for that row).
 
     Only run when some row sees more than CAP keys (fewer never compact), so hi - lo > CAP >=
@@ -373,14 +374,16 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
 @triton.jit
 def _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows, o_n, o_d, m_d,
                  H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
-                 SELECT: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr = False):
+                 SELECT: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr, HW: tl.constexpr,
+                 LANE_ROWS: tl.constexpr):
     """One step of the key loop from tile i_n: Config.append's way (the floor, SELECT=False, always tiles)."""
     if APPEND == 1 and SELECT:
         cnt = _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
                         o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW, LANE_ROWS=LANE_ROWS)
     else:
         cnt, thr, b_max = _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
-                                    key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, SELECT, IEEE, LANE_ROWS=LANE_ROWS)
+                                    key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, SELECT, IEEE,
+                                    LANE_ROWS=LANE_ROWS)
     return cnt, thr, b_max
 
 
@@ -389,7 +392,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
               o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
-              APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False):
+              APPEND: tl.constexpr, LANE_ROWS: tl.constexpr):
     """The row block's key loop (all its tiles, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask)."""
@@ -483,7 +486,8 @@ def hytopk_kernel(
             while i_pass < n_pass:
                 cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                             key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
-                                            CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS)
+                                            CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND,
+                                            LANE_ROWS=LANE_ROWS)
                 # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
                 # keep their buffers and append nothing more (no key is > INT32_MAX)
                 fail = on & (cnt < kk)  # [R]; all False after the first pass
@@ -500,7 +504,8 @@ def hytopk_kernel(
         else:
             cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
-                                        CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS)
+                                        CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND,
+                                        LANE_ROWS=LANE_ROWS)
 
         if SELECT:
             tl.debug_barrier()

@@ -40,11 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._split_mma import install as _install_split_mma
 from .._split_mma import split_flag, split_mma_mark
 from .scatter import deterministic_scatter_add_
-
-_install_split_mma()
 
 LOG2E = 1.4426950408889634
 
