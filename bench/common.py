@@ -142,6 +142,10 @@ def append_csv(path: str, rows: list[dict]) -> None:
         if keys != header:  # widen the file
             with open(path) as f:
                 old = list(csv.DictReader(f))
+            bad = [i + 2 for i, r in enumerate(old) if None in r]
+            if bad:
+                raise ValueError(f"{path}: lines {bad[:5]} have more fields than its header; fix the file "
+                                 "(a hand merge?) before appending")
             with open(path, "w", newline="") as f:
                 w = csv.DictWriter(f, fieldnames=keys)
                 w.writeheader()

@@ -109,15 +109,15 @@ DEV = "cpu" if args.cpu_smoke else "cuda"
 DT = torch.float32 if args.cpu_smoke else torch.bfloat16
 SMALL_T, SMALL_N = (48, 16) if args.cpu_smoke else (2048, 128)
 # variants swept at the first size for N = 128 (the best fwd / bwd is then used everywhere)
-# split_mma (session 8, untimed): QK^T (fwd) / S and dP (dq kernel) split over the two warpgroups instead of
-# computed by both (kernels/_split_mma.py; sm_90a: half the wgmma for those tiles)
-FWD_VARIANTS = {"fwd-bk32": dict(block_k=32, num_warps=8, num_stages=2),
-                "fwd-bk64": dict(block_k=64, num_warps=8, num_stages=2),
-                "fwd-bk64-split": dict(block_k=64, num_warps=8, num_stages=2, split_mma=True),
+# split_mma (default since session 9): QK^T (fwd) / S and dP (dq kernel) split over the two warpgroups instead
+# of computed by both (kernels/_split_mma.py); the "nosplit" rows are the defaults before session 9
+FWD_VARIANTS = {"fwd-bk64-split": dict(block_k=64, num_warps=8, num_stages=2, split_mma=True),
+                "fwd-bk64": dict(block_k=64, num_warps=8, num_stages=2, split_mma=False),
+                "fwd-bk32": dict(block_k=32, num_warps=8, num_stages=2, split_mma=False),
                 "fwd-bk32-split": dict(block_k=32, num_warps=8, num_stages=2, split_mma=True),
                 "fwd-bk64-16w-split": dict(block_k=64, num_warps=16, num_stages=2, split_mma=True)}
 BWD_VARIANTS = {"scratch (default)": dict(variant="scratch"),
-                "scratch dq split": dict(variant="scratch", dq_cfg=dict(split_mma=True)),
+                "scratch dq nosplit": dict(variant="scratch", dq_cfg=dict(split_mma=False)),
                 "scratch dq split 1 stage": dict(variant="scratch", dq_cfg=dict(split_mma=True, num_stages=1)),
                 "fused-32x16": dict(split=False),
                 "split-dq32-dkv32x32": dict(split=True),

@@ -70,10 +70,9 @@ VARIANTS = {
     # sm_90a AOT compile, 136 B with 1 stage (no cp.async prefetch of the next key rows, though)
     "scratch dq 1 stage": dict(dq_cfg=dict(num_stages=1)),
     "scratch dq 1 stage + asm": dict(dq_cfg=dict(num_stages=1, asm_stores=True)),
-    # session 8, untimed: S / dP split over the two warpgroups (kernels/_split_mma.py): sm_90a, 64 x 32 tile:
-    # 136 -> 68 wgmma per key tile for S and dP, spills 552 -> 220 B (1 stage: 144 B)
-    "scratch dq split mma": dict(dq_cfg=dict(split_mma=True)),
-    "scratch dq split mma 1 stage": dict(dq_cfg=dict(split_mma=True, num_stages=1)),
+    # S / dP split over the two warpgroups (kernels/_split_mma.py; default since session 9: dq 103.6 -> 61.2 ms
+    # at N = 128, T = 16K): sm_90a, 64 x 32 tile: 136 -> 68 wgmma per key tile, spills 552 -> 220 B
+    "scratch dq no split": dict(dq_cfg=dict(split_mma=False)),
     "scratch + target": dict(target=True),  # the loss target from the dkv kernel (loss_target='backward')
     "scratch chunk 512": dict(chunk_tokens=512),
     "scratch dkv bh32": dict(variant="scratch", scratch_cfg=dict(block_h=32, num_stages=2)),
@@ -162,9 +161,9 @@ def main():
         if DEV == "cuda":
             torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
-    append_csv(args.csv, rows)
-    if DEV == "cuda":
+    if DEV == "cuda":  # the copy that comes back from a device call first
         append_csv(os.path.join(args.out, "sparse_bwd_parts.csv"), rows)
+    append_csv(args.csv, rows)
     print("\n" + markdown_table(table, ["N", "variant", "event_ms", "total_ms", "dq_ms", "dkv_ms", "fused_ms",
                                         "other_ms", "tflops", "err"]))
 

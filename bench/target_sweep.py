@@ -52,8 +52,8 @@ SCALE = (128 + 64) ** -0.5
 T0 = time.time()
 # name -> config overrides (smem from `bench/check_sparse_mla.py --resources --only=target`, sm_90a)
 CONFIGS = {
-    "default (64h x 64k, 8w, 2st)": {},
-    "64h x 64k split": dict(split_mma=True),  # session 8, untimed: QK^T split over the two warpgroups
+    "default (64h x 64k, 8w, 2st, split)": {},  # QK^T split over the two warpgroups (default since session 9)
+    "64h x 64k no split": dict(split_mma=False),  # the default before session 9: 126.6 vs 91.1 ms at 64K
     "64h x 32k": dict(block_k=32),  # 152 KB
     "64h x 64k, 3st": dict(num_stages=3),  # 226 KB
     "64h x 64k, 4w": dict(num_warps=4),  # 222 KB

@@ -421,7 +421,8 @@ if "check" in args.parts:
 # ------------------------------------------------------------------------------------------
 # (2) config sweep
 # ------------------------------------------------------------------------------------------
-_D = Config()  # the default launch (session 6: append "mask", search_bits 2, warm start 512; s. 7: 3 stages)
+_D = Config()  # the default launch (session 6: append "mask", search_bits 2, warm start 512; s. 7: 3 stages;
+# s. 9: lane_rows)
 SWEEP = [
     _D,
     replace(_D, num_warps=8, num_stages=3, programs_per_sm=1),
@@ -434,8 +435,8 @@ SWEEP = [
     replace(_D, search_bits=1),  # cfg8: the 1-bit select
     replace(_D, append="tile", search_bits=1),  # cfg9: the default before session 6
     replace(_D, cap_mult=4),  # cfg10: twice the candidate slots, fewer compactions
-    replace(_D, lane_rows=True),  # cfg11 (session 8, untimed): whole rows per accumulator lane, 746 -> 574
-    # instrs per key tile on the sm_90a compile (floor 529 -> 500)
+    replace(_D, lane_rows=False),  # cfg11: the default before session 9 (lane_rows: whole rows per accumulator
+    # lane; 64K H64 88.8 -> 75.2 ms on the H200)
 ]
 BEST = {}
 if "sweep" in args.parts:
@@ -454,13 +455,13 @@ if "sweep" in args.parts:
             # 1216 instrs); 128 = 4 rows as at H64: 598 instrs, no spills in the loop (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=128), SWEEP[2], SWEEP[1],
                      replace(SWEEP[0], rows_x_heads=128, num_stages=4),  # cfg2 (128, 3 stages): default since s. 7
-                     replace(SWEEP[0], rows_x_heads=128, lane_rows=True)]  # cfg5: session 8, untimed
+                     replace(SWEEP[0], rows_x_heads=128, lane_rows=False)]  # cfg5: before session 9
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],
                      SWEEP[5], SWEEP[7], SWEEP[8],  # cfg2 (32): default since s. 7
                      replace(SWEEP[0], rows_x_heads=32, num_stages=3), replace(SWEEP[0], rows_x_heads=16),
-                     replace(SWEEP[0], rows_x_heads=32, lane_rows=True)]  # cfg9: session 8, untimed
+                     replace(SWEEP[0], rows_x_heads=32, lane_rows=False)]  # cfg9: before session 9
         if args.smoke:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
                      replace(default_config(H, kk, interpret=True), append="tile")]

@@ -191,7 +191,7 @@ def test_lane_rows_column_order(H, rows_x_heads, append, warm):
 def test_lane_rows_needs_four_rows_and_even_heads():
     from hyscale_kernels.hytopk import op
 
-    assert not Config().lane_rows  # opt-in until timed on the H200
+    assert Config().lane_rows  # default since the H200 timing (session 9)
     cfg = Config(lane_rows=True)
     assert op.lane_rows(cfg, 4, 64) and op.lane_rows(cfg, 8, 4)
     assert not op.lane_rows(cfg, 2, 8) and not op.lane_rows(cfg, 1, 64)  # fewer than 4 rows: (row, head) order

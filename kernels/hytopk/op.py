@@ -60,8 +60,10 @@ class Config:
     # stays in the thread and each (key, row) score lives in one thread, not four (which all ran the
     # selection and its stores). sm_90a key loop per 64-key tile at H 64 (bench/NOTES_hytopk.md, session 8):
     # 746 -> 574 instrs, floor 529 -> 500. Needs 4 | rows per tile and an even H (ignored otherwise). Same
-    # index sets; the fp32 head sum runs in another order. Opt-in until timed on the H200.
-    lane_rows: bool = False
+    # index sets; the fp32 head sum runs in another order. H200, 64K causal, k 2048 (session 9, bench/topk.py
+    # --parts sweep): H 64 88.8 -> 75.2 ms (x floor 1.44 -> 1.24); H 32 68.5 -> 50.5 (1.82 -> 1.45);
+    # H 4 (k 512, S/4 keys) 9.99 -> 8.54.
+    lane_rows: bool = True
 
 
 def check_config(cfg: Config, interpret: bool) -> None:

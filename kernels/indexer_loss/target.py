@@ -55,9 +55,10 @@ def _target_kernel(q, kv, idx, lse, tgt, scale_log2, N, N_HB,
 # BLOCK_K 64, 8 warps, 2 stages: the attention forward's best config on the H200 (the same gathers and QK
 # tiles, without the PV product); the old 32-key, masked-gather version ran at ~110 TFLOP/s (180 ms at
 # T = 64K, N = 128 in bench/results/sparse_attn.csv).
-# split_mma (opt-in, untimed): the first of the two chained QK^T dots gets warpsPerCTA [8, 1] (both warpgroups
-# compute it) and its accumulator is converted to the second's [4, 2] every key tile; split, both are [4, 2].
-TARGET_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=False)
+# split_mma: unsplit, the first of the two chained QK^T dots gets warpsPerCTA [8, 1] (both warpgroups compute
+# it) and its accumulator is converted to the second's [4, 2] every key tile; split, both are [4, 2]. H200,
+# T = 64K, N = 128, k = 2048 (session 9, bench/target_sweep.py): 126.6 -> 91.1 ms, the same output.
+TARGET_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=True)
 
 
 def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor,

@@ -415,12 +415,14 @@ def _block_h(N: int, block_h=None, cap: int = 64) -> int:
 # (2026-12-02, T = 16K, N = 128, k = 2048; bench/results/sparse_attn.csv, bench/NOTES_sparse_mla.md):
 # fwd BLOCK_K 64: 36.0 ms (260 TFLOP/s) vs 32: 50.4 ms (185), although ptxas reports 20 B of spills
 # for 64x64; bwd split dq32 + dkv32x32: 276 ms vs fused 32x16: 346 ms, dkv32x64: 1286 ms, dq16: 346 ms.
-FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=False)
-BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2, split_mma=False)
-# split_mma (opt-in until timed on the H200): the chained QK^T / dO V^T tiles split over the two warpgroups
-# instead of both computing all of them (kernels/_split_mma.py); sm_90a compile, 64 heads x 64 keys fwd:
-# 72 -> 36 QK^T wgmma per key tile, smem 221 -> 226 KB, spills 20 -> 32 B; dq (64 x 32, scratch stores):
-# 136 -> 68 wgmma, spills 552 -> 220 B
+FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=True)
+BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2, split_mma=True)
+# split_mma: the chained QK^T / dO V^T tiles split over the two warpgroups instead of both computing all
+# of them (kernels/_split_mma.py); sm_90a compile, 64 heads x 64 keys fwd: 72 -> 36 QK^T wgmma per key tile,
+# smem 221 -> 226 KB, spills 20 -> 32 B; dq (64 x 32, scratch stores): 136 -> 68 wgmma, spills 552 -> 220 B.
+# H200, T = 64K, N = 128, k = 2048 (session 9, bench/sparse_attn.py --sweep-only): fwd 147.2 -> 111.1 ms
+# (254 -> 336 TFLOP/s), bwd 662.8 -> 493.8 ms (143 -> 192); dq kernel alone 103.6 -> 61.2 ms (N = 64: 51.3 ->
+# 30.4; N = 16 has one 16-row tile, unchanged). 16 warps split: 140.6 ms; block_k 32 split: 183.2.
 BWD_DKV_CFG = dict(block_h=32, block_k=32, num_warps=8, num_stages=1)
 BWD_FUSED_CFG = dict(block_h=32, block_k=16, num_warps=8, num_stages=2)
 # variant="scratch" (default): the dkv kernel that contracts the dq kernel's stored P / dS. BLOCK_K 64
