@@ -437,6 +437,11 @@ SWEEP = [
     replace(_D, cap_mult=4),  # cfg10: twice the candidate slots, fewer compactions
     replace(_D, lane_rows=False),  # cfg11: the default before session 9 (lane_rows: whole rows per accumulator
     # lane; 64K H64 88.8 -> 75.2 ms on the H200)
+    replace(_D, rows_x_heads=512, num_warps=8, programs_per_sm=1),  # cfg12: 8 rows per tile (lane_rows frees
+    # registers), one wider MMA per tile
+    replace(_D, min_free_tiles=2),  # cfg13: compact later (fewer, fuller compactions)
+    replace(_D, warm_start=256),  # cfg14: a cheaper warm-start sample
+    replace(_D, num_stages=4),  # cfg15
 ]
 BEST = {}
 if "sweep" in args.parts:
