@@ -102,7 +102,8 @@ def resources(cfgs, H=64, D=128, kk=2048):
         const = dict(H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
                      RELU=True, SELECT=select, WRITE_SCORES=False, IEEE=False, WHILE_LOOPS=False,
                      SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w, WARM_Z=op.WARM_Z, WARM_MIN=op.WARM_MIN,
-                     APPEND=op.APPENDS.index(cfg.append) if select else 0, LANE_ROWS=op.lane_rows(cfg, R, H))
+                     APPEND=op.APPENDS.index(cfg.append) if select else 0, LANE_ROWS=op.lane_rows(cfg, R, H),
+                     EARLY=bool(cfg.early_select) and select)
         try:
             t0 = time.time()
             kern = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const, attrs),
@@ -442,6 +443,8 @@ SWEEP = [
     replace(_D, min_free_tiles=2),  # cfg13: compact later (fewer, fuller compactions)
     replace(_D, warm_start=256),  # cfg14: a cheaper warm-start sample
     replace(_D, num_stages=4),  # cfg15
+    replace(_D, early_select=True),  # cfg16 (session 9, untimed): radix select stops rows early (~11 of 17
+    # passes on simulated 64K candidate sets), no separate count pass, no tie scan without excess ties
 ]
 BEST = {}
 if "sweep" in args.parts:
@@ -460,13 +463,15 @@ if "sweep" in args.parts:
             # 1216 instrs); 128 = 4 rows as at H64: 598 instrs, no spills in the loop (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=128), SWEEP[2], SWEEP[1],
                      replace(SWEEP[0], rows_x_heads=128, num_stages=4),  # cfg2 (128, 3 stages): default since s. 7
-                     replace(SWEEP[0], rows_x_heads=128, lane_rows=False)]  # cfg5: before session 9
+                     replace(SWEEP[0], rows_x_heads=128, lane_rows=False),  # cfg5: before session 9
+                     replace(SWEEP[0], rows_x_heads=128, early_select=True)]  # cfg6: untimed
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],
                      SWEEP[5], SWEEP[7], SWEEP[8],  # cfg2 (32): default since s. 7
                      replace(SWEEP[0], rows_x_heads=32, num_stages=3), replace(SWEEP[0], rows_x_heads=16),
-                     replace(SWEEP[0], rows_x_heads=32, lane_rows=False)]  # cfg9: before session 9
+                     replace(SWEEP[0], rows_x_heads=32, lane_rows=False),  # cfg9: before session 9
+                     replace(SWEEP[0], rows_x_heads=32, early_select=True)]  # cfg10: untimed
         if args.smoke:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
                      replace(default_config(H, kk, interpret=True), append="tile")]

@@ -122,9 +122,59 @@ def _kth_key2(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK:
 
 
 @triton.jit
+def _kth_key2_early(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
+    """_kth_key2 that stops a row once the lower bound L of its prefix bucket has exactly kk keys at or
+    above it: the row's top kk are then {keys >= L} whatever the lower bits (Config.early_select).
+
+    Returns (kth [R], n_gt [R], rank [R] bool): the row's top kk are its keys > kth plus its first
+    kk - n_gt keys equal to kth (buffer order); ``rank`` marks rows where more keys equal kth than
+    fit (only those need the tie ranking). Stopped rows: kth = L - 1, n_gt = kk. Rows with
+    cnt <= kk are left unspecified (the caller keeps all their keys). The counts that _kth_key2
+    throws away give n_gt, so the extra counting pass of the full search is not needed either.
+    """
+    pre = tl.zeros_like(cnt)  # [R] biased prefix
+    c_lo = cnt  # [R] keys >= the bucket's lower bound (every buffered key for the empty prefix)
+    c_hi = tl.zeros_like(cnt)  # [R] keys >= the bucket's upper bound (none above the full range)
+    one = tl.full([R], 1, dtype=tl.int32)
+    done = cnt <= kk
+    n_open = tl.sum((~done).to(tl.int32), axis=0)
+    # the buffer read once into registers (the full search gets the same from the compiler hoisting its
+    # loads out of a fixed-trip loop; a while loop would reload it from L2 every pass)
+    o_all = tl.arange(0, CAP)  # [CAP]
+    b_keys = tl.load(key_rows[:, None] + o_all[None, :], mask=o_all[None, :] < cnt[:, None],
+                     other=INT32_MIN)  # [R, CAP]
+    i_b = 30
+    while (n_open > 0) & (i_b >= 0):  # bits (i_b + 1, i_b), as in _kth_key2
+        a1 = pre | (one << i_b)
+        a2 = pre | ((one << i_b) << 1)
+        a3 = a2 | a1
+        n1 = tl.sum((b_keys >= (a1 ^ INT32_MIN)[:, None]).to(tl.int32), axis=1)  # [R]
+        n2 = tl.sum((b_keys >= (a2 ^ INT32_MIN)[:, None]).to(tl.int32), axis=1)
+        n3 = tl.sum((b_keys >= (a3 ^ INT32_MIN)[:, None]).to(tl.int32), axis=1)
+        m3 = n3 >= kk
+        m2 = n2 >= kk
+        m1 = n1 >= kk
+        # the chosen bucket [lower, upper): its lower bound's count and its upper bound's count
+        p_new = tl.where(m3, a3, tl.where(m2, a2, tl.where(m1, a1, pre)))
+        lo_new = tl.where(m3, n3, tl.where(m2, n2, tl.where(m1, n1, c_lo)))
+        hi_new = tl.where(m3, c_hi, tl.where(m2, n3, tl.where(m1, n2, n1)))
+        pre = tl.where(done, pre, p_new)
+        c_lo = tl.where(done, c_lo, lo_new)
+        c_hi = tl.where(done, c_hi, hi_new)
+        done = done | ((c_lo == kk) & (pre != 0))  # pre != 0: a real bound (cnt > kk rows only get here)
+        n_open = tl.sum((~done).to(tl.int32), axis=0)
+        i_b -= 2
+    stop = (c_lo == kk) & (pre != 0)  # [R] exactly kk keys >= L (also after all 32 bits)
+    key = pre ^ INT32_MIN
+    kth = tl.where(stop, key - 1, key)
+    n_gt = tl.where(stop, kk, c_hi)
+    return kth, n_gt, (~stop) & (c_lo > kk)
+
+
+@triton.jit
 def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                   FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr,
-                  CHUNK: tl.constexpr, SEARCH2: tl.constexpr):
+                  CHUNK: tl.constexpr, SEARCH2: tl.constexpr, EARLY: tl.constexpr):
     """Keep each row's exact top-kk of its buffer (all of it where cnt <= kk), stably.
 
     key_rows/idx_rows: [R] pointers to the rows' buffers. dst_*: [R] row pointers of the
@@ -135,12 +185,18 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     need = cnt > kk  # [R]
     kth = tl.full([R], INT32_MIN, dtype=tl.int32)
     n_eq = tl.full([R], CAP, dtype=tl.int32)  # keys equal to kth still to keep
+    n_rank = 0  # EARLY: rows whose keys equal to kth must be ranked (more of them than fit)
     if tl.max(cnt, axis=0) > kk:
-        if SEARCH2:
-            kth = tl.where(need, _kth_key2(key_rows, cnt, kk, o_h, R, CAP, CHUNK), INT32_MIN)
+        if EARLY:
+            kth_e, n_gt, rank = _kth_key2_early(key_rows, cnt, kk, o_h, R, CAP, CHUNK)
+            kth = tl.where(need, kth_e, INT32_MIN)
+            n_rank = tl.sum((need & rank).to(tl.int32), axis=0)
         else:
-            kth = tl.where(need, _kth_key(key_rows, cnt, kk, o_h, R, CAP, CHUNK), INT32_MIN)
-        n_gt = _count_ge(key_rows, cnt, kth + 1, o_h, R, CAP, CHUNK)  # kth < INT32_MAX always
+            if SEARCH2:
+                kth = tl.where(need, _kth_key2(key_rows, cnt, kk, o_h, R, CAP, CHUNK), INT32_MIN)
+            else:
+                kth = tl.where(need, _kth_key(key_rows, cnt, kk, o_h, R, CAP, CHUNK), INT32_MIN)
+            n_gt = _count_ge(key_rows, cnt, kth + 1, o_h, R, CAP, CHUNK)  # kth < INT32_MAX always
         n_eq = tl.where(need, kk - n_gt, CAP)
     # stable rewrite, chunk by chunk: an entry only moves down, past chunks already read
     base = tl.zeros_like(cnt)  # [R] kept so far
@@ -151,8 +207,16 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
         b_k = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=INT32_MIN)  # [R, CHUNK]
         b_i = tl.load(idx_rows[:, None] + o_cc[None, :], mask=m_v, other=-1)  # [R, CHUNK]
         m_eq = (b_k == kth[:, None]) & m_v
-        r_eq = eq_seen[:, None] + tl.cumsum(m_eq.to(tl.int32), axis=1)  # [R, CHUNK] 1-based rank
-        m_keep = m_v & ((b_k > kth[:, None]) | (m_eq & (r_eq <= n_eq[:, None])))
+        if EARLY:
+            if n_rank > 0:
+                r_eq = eq_seen[:, None] + tl.cumsum(m_eq.to(tl.int32), axis=1)  # [R, CHUNK] 1-based rank
+                m_take = m_eq & (r_eq <= n_eq[:, None])
+            else:  # every row keeps all or none of its keys equal to kth: no ranking scan
+                m_take = m_eq & (n_eq[:, None] > 0)
+        else:
+            r_eq = eq_seen[:, None] + tl.cumsum(m_eq.to(tl.int32), axis=1)  # [R, CHUNK] 1-based rank
+            m_take = m_eq & (r_eq <= n_eq[:, None])
+        m_keep = m_v & ((b_k > kth[:, None]) | m_take)
         pos = base[:, None] + tl.cumsum(m_keep.to(tl.int32), axis=1) - 1  # [R, CHUNK]
         tl.debug_barrier()  # whole chunk read before any of it is overwritten (in place)
         m_st = m_keep & m_rows[:, None]
@@ -326,7 +390,8 @@ def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n,
 def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n, o_d, m_d,
                     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
                     WARM: tl.constexpr, CHUNK_W: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr,
-                    RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr, LANE_ROWS: tl.constexpr):
+                    RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr, LANE_ROWS: tl.constexpr,
+                    EARLY: tl.constexpr):
     """Each row's starting threshold key tau [R] (INT32_MIN: no warm start for that row).
 
     Only run when some row sees more than CAP keys (fewer never compact), so hi - lo > CAP >=
@@ -338,7 +403,9 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
     Used where n > CAP, m >= WARM_MIN and 2 j <= m (the threshold cuts at least half the keys).
 
     Returns tau = (j-th largest sample key) - 1, so the key loop's strict ``key > tau`` takes keys
-    >= the sample quantile (ties with it included).
+    >= the sample quantile (ties with it included). EARLY: a row whose search stops early (exactly j
+    sample keys >= its bucket bound L) gets tau = L - 2 <= the j-th key - 1: a few more candidates,
+    the same argument.
 
     Exactness and ties: the key loop then appends keys strictly above tau. If at least topk
     visible keys are > tau, the row's topk-th largest key v satisfies v > tau, so every key >= v
@@ -361,7 +428,9 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
     j = tl.where(on, j, 1)
     o_hw = tl.arange(0, CHUNK_W)
     n_smp = tl.full([R], WARM, dtype=tl.int32)
-    if SEARCH2:
+    if EARLY:
+        tau, _, _ = _kth_key2_early(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W)
+    elif SEARCH2:
         tau = _kth_key2(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W)
     else:
         tau = _kth_key(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W)
@@ -392,7 +461,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
               o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
-              APPEND: tl.constexpr, LANE_ROWS: tl.constexpr):
+              APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, EARLY: tl.constexpr):
     """The row block's key loop (all its tiles, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask)."""
@@ -405,7 +474,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
             if CAP - tl.max(cnt, axis=0) < MIN_FREE:
                 tl.debug_barrier()  # appends of earlier tiles visible to all threads
                 kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
-                                    False, False, R, CAP, CHUNK, SEARCH2)
+                                    False, False, R, CAP, CHUNK, SEARCH2, EARLY)
                 thr = tl.maximum(thr, kth)
                 cnt = tl.minimum(cnt, kk)
             n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
@@ -437,7 +506,7 @@ def hytopk_kernel(
     RELU: tl.constexpr, SELECT: tl.constexpr, WRITE_SCORES: tl.constexpr, IEEE: tl.constexpr,
     WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
     WARM: tl.constexpr = 0, CHUNK_W: tl.constexpr = 1, WARM_Z: tl.constexpr = 4.0, WARM_MIN: tl.constexpr = 16,
-    APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False,
+    APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     i_p = tl.program_id(0)
     RH: tl.constexpr = R * H
@@ -477,7 +546,7 @@ def hytopk_kernel(
             if tl.max(tl.where(m_live, b_end - b_start, 0), axis=0) > CAP:
                 thr = _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n,
                                       o_d, m_d, H, D, R, BLOCK_N, CAP, WARM, CHUNK_W, WARM_Z, WARM_MIN,
-                                      RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS)
+                                      RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS, EARLY=EARLY)
             on = thr > INT32_MIN  # [R] rows started from a sampled threshold
             n_on = tl.sum(on.to(tl.int32), axis=0)
             n_fail = n_on * 0
@@ -487,7 +556,7 @@ def hytopk_kernel(
                 cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                             key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
                                             CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND,
-                                            LANE_ROWS=LANE_ROWS)
+                                            LANE_ROWS=LANE_ROWS, EARLY=EARLY)
                 # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
                 # keep their buffers and append nothing more (no key is > INT32_MAX)
                 fail = on & (cnt < kk)  # [R]; all False after the first pass
@@ -505,24 +574,25 @@ def hytopk_kernel(
             cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
                                         CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND,
-                                        LANE_ROWS=LANE_ROWS)
+                                        LANE_ROWS=LANE_ROWS, EARLY=EARLY)
 
         if SELECT:
             tl.debug_barrier()
             o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
             _select_store(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
-                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2)
+                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, EARLY)
             # -1 / -inf padding after the kept entries
             n_keep = tl.minimum(cnt, kk)  # [R]
             o_h = tl.arange(0, CHUNK)
-            for i_c in range(0, CAP, CHUNK):
-                o_cc = i_c + o_h  # [CHUNK]
-                m_pad = (o_cc[None, :] >= n_keep[:, None]) & (o_cc[None, :] < kk) & m_t[:, None]
-                tl.store(out_idx_ptr + o_out[:, None] + o_cc[None, :], tl.full([R, CHUNK], -1, tl.int32),
-                         mask=m_pad)
-                if WRITE_SCORES:
-                    tl.store(out_val_ptr + o_out[:, None] + o_cc[None, :],
-                             tl.full([R, CHUNK], float("-inf"), tl.float32), mask=m_pad)
+            if tl.min(tl.where(m_t, n_keep, kk), axis=0) < kk:  # some row has fewer than kk keys
+                for i_c in range(0, CAP, CHUNK):
+                    o_cc = i_c + o_h  # [CHUNK]
+                    m_pad = (o_cc[None, :] >= n_keep[:, None]) & (o_cc[None, :] < kk) & m_t[:, None]
+                    tl.store(out_idx_ptr + o_out[:, None] + o_cc[None, :], tl.full([R, CHUNK], -1, tl.int32),
+                             mask=m_pad)
+                    if WRITE_SCORES:
+                        tl.store(out_val_ptr + o_out[:, None] + o_cc[None, :],
+                                 tl.full([R, CHUNK], float("-inf"), tl.float32), mask=m_pad)
             tl.debug_barrier()  # the next row block reuses the scratch
         else:
             tl.store(out_val_ptr + o_t, b_max, mask=m_t)

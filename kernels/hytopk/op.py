@@ -64,6 +64,12 @@ class Config:
     # --parts sweep): H 64 88.8 -> 75.2 ms (x floor 1.44 -> 1.24); H 32 68.5 -> 50.5 (1.82 -> 1.45);
     # H 4 (k 512, S/4 keys) 9.99 -> 8.54.
     lane_rows: bool = True
+    # radix select (search_bits 2) stops a row as soon as the lower bound L of its prefix bucket has exactly
+    # topk keys at or above it (its top topk are then the keys >= L, whatever the lower bits), takes the
+    # count above the k-th key from the search's own passes (no extra pass) and skips the tie-ranking scan
+    # when no row has more keys equal to its k-th than fit. Same output. sm_90a: see bench/NOTES_hytopk.md
+    # (session 9). Opt-in until timed on the H200.
+    early_select: bool = False
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -71,6 +77,9 @@ def check_config(cfg: Config, interpret: bool) -> None:
     check(cfg.search_bits in (1, 2), f"hytopk: Config.search_bits must be 1 or 2, got {cfg.search_bits}")
     check(cfg.warm_start >= 0, f"hytopk: Config.warm_start must be >= 0 (0 = off), got {cfg.warm_start}")
     check(cfg.append in APPENDS, f"hytopk: Config.append must be one of {APPENDS}, got {cfg.append!r}")
+    check(not cfg.early_select or cfg.search_bits == 2,
+          f"hytopk: Config.early_select needs search_bits=2 (got {cfg.search_bits}); set search_bits=2 or "
+          "early_select=False")
     check(cfg.append != "mask" or cfg.block_n <= 64,
           f"hytopk: Config.append='mask' needs block_n <= 64 (one int64 bit mask per tile), got {cfg.block_n}; "
           "use append='tile' for larger key tiles")
@@ -172,7 +181,7 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
         RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(select and return_scores),
         IEEE=q.dtype == torch.float32, WHILE_LOOPS=interp, SEARCH2=cfg.search_bits == 2,
         WARM=warm, CHUNK_W=chunk_w, WARM_Z=WARM_Z, WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
-        LANE_ROWS=lane_rows(cfg, R, H),
+        LANE_ROWS=lane_rows(cfg, R, H), EARLY=bool(cfg.early_select),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if warm:
