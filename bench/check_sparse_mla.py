@@ -236,6 +236,10 @@ def resources(N=128, K=2048):
         ("bwd_dkv_scratch", km._sparse_mla_bwd_dkv_scratch_kernel, SCRATCH_CFGS,
          dict(q="*bf16", idx="*i32", do="*bf16", pds="*bf16", dkv="*fp32", row0="i32",
               N="i32", N_KB="i32"), dict(DETERMINISTIC=False)),
+        # key_slices > 1: one launch per key range, blocks without a key in it skip the contraction
+        ("bwd_dkv_scratch_sliced", km._sparse_mla_bwd_dkv_scratch_kernel, SCRATCH_CFGS[1:2],
+         dict(q="*bf16", idx="*i32", do="*bf16", pds="*bf16", dkv="*fp32", row0="i32",
+              N="i32", N_KB="i32", k_lo="i32", k_hi="i32"), dict(DETERMINISTIC=False, SLICED=True)),
         ("bwd_dkv", km._sparse_mla_bwd_dkv_kernel, DKV_CFGS,
          dict(ptrs, do="*bf16", lse="*fp32", delta="*fp32", dkv="*fp32", row0="i32",
               scale="fp32", scale_log2="fp32", N="i32", N_KB="i32"), dict(DETERMINISTIC=False)),
@@ -255,9 +259,9 @@ def resources(N=128, K=2048):
             continue
         for cfg in cfgs:
             const = dict(common, BLOCK_H=cfg["block_h"], BLOCK_K=cfg["block_k"], **extra)
-            if name in ("bwd_dkv", "bwd_dkv_scratch"):
+            if name in ("bwd_dkv", "bwd_dkv_scratch", "bwd_dkv_scratch_sliced"):
                 const["NHB"] = -(-N // cfg["block_h"])
-            if name == "bwd_dkv_scratch":  # no key-row gather: no BIG
+            if name.startswith("bwd_dkv_scratch"):  # no key-row gather: no BIG
                 const.pop("BIG")
             try:
                 say(f"{name} {cfg}: " + _compile_report(fn, sig, const, cfg))

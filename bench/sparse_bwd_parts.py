@@ -43,6 +43,8 @@ p.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__f
                                              "sparse_bwd_parts.csv"))
 p.add_argument("--cpu-smoke", action="store_true")
 p.add_argument("--only", default=os.environ.get("SBP_ONLY", ""))
+p.add_argument("--sorted", action="store_true",
+               help="ascending index rows, -1 padding last (HyTopK's order) instead of unordered ones")
 args = p.parse_args()
 if args.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -73,6 +75,10 @@ VARIANTS = {
     # S / dP split over the two warpgroups (kernels/_split_mma.py; default since session 9: dq 103.6 -> 61.2 ms
     # at N = 128, T = 16K): sm_90a, 64 x 32 tile: 136 -> 68 wgmma per key tile, spills 552 -> 220 B
     "scratch dq no split": dict(dq_cfg=dict(split_mma=False)),
+    # session 9, untimed: one dkv launch per key range (scratch_cfg key_slices) so the dkv rows being added
+    # to stay in L2 (64K, N = 16: dkv 167 ms vs 28.8 at 16K); meant for ascending rows (--sorted)
+    "scratch key slices 4": dict(scratch_cfg=dict(key_slices=4)),
+    "scratch key slices 8": dict(scratch_cfg=dict(key_slices=8)),
     "scratch + target": dict(target=True),  # the loss target from the dkv kernel (loss_target='backward')
     "scratch chunk 512": dict(chunk_tokens=512),
     "scratch dkv bh32": dict(variant="scratch", scratch_cfg=dict(block_h=32, num_stages=2)),
@@ -121,6 +127,10 @@ def main():
     rows, table = [], []
     T, K = args.T, args.topk
     idx = causal_indices(T, K, DEV)
+    if args.sorted:  # HyTopK's output order: ascending keys, padding last
+        big = torch.iinfo(torch.int32).max
+        idx = torch.where(idx < 0, big, idx).sort(dim=1).values
+        idx = torch.where(idx == big, -1, idx).int()
     for N in [int(h) for h in args.heads.split(",")]:
         g = torch.Generator(device=DEV).manual_seed(N)
         q = torch.randn(T, N, 576, device=DEV, dtype=DT, generator=g)
@@ -151,7 +161,7 @@ def main():
             total = sum(ms.values())
             row = dict(kind="bwd_parts", T=T, N=N, k=K, variant=name, total_ms=round(total, 3),
                        **{f"{r}_ms": round(v, 3) for r, v in ms.items()}, event_ms=ev, err=f"{err:.2e}",
-                       tflops=round(b_fl / total / 1e9, 1) if total > 0 else "",
+                       tflops=round(b_fl / total / 1e9, 1) if total > 0 else "", sorted_idx=int(args.sorted),
                        **{**info, "command": "bench/sparse_bwd_parts.py " + " ".join(sys.argv[1:])})
             rows.append(row)
             table.append(row)

@@ -131,6 +131,43 @@ def test_public_op_threads_the_variant(monkeypatch):
         assert seen[-1] == want
 
 
+@needs_triton
+@pytest.mark.parametrize("slices,ascending", [(2, True), (3, False), (7, True)])
+def test_scratch_key_slices_match(slices, ascending):
+    """scratch_cfg key_slices: one dkv launch per key range per chunk (S = 50 not a multiple of 3 or 7);
+    ascending rows (HyTopK's order, -1 padding last) and unordered rows give the reference's gradients,
+    and the loss target, with blocks of padding only (row 0), equals the unsliced one."""
+    T, N, V, R, S, K = 6, 16, 32, 16, 50, 40
+    q, kv, idx, do, dl = _case(T, N, V, R, S, K, seed=4)
+    if ascending:
+        idx = torch.where(idx < 0, S + 1, idx).sort(dim=1).values
+        idx = torch.where(idx > S, -1, idx).int()
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 0.3, V)
+    r = _reference_grads(q, kv, idx, 0.3, V, do, dl)
+    tgts = []
+    for n in (1, slices):
+        tgt = torch.full((T, K), float("nan"))
+        g = km.sparse_mla_bwd(q, kv, idx, out, lse, do, dl, 0.3, V, variant="scratch", chunk_tokens=4,
+                              scratch_cfg=dict(key_slices=n), target=tgt)
+        torch.testing.assert_close(g[0], r[2], **TOL)
+        torch.testing.assert_close(g[1], r[3], **TOL)
+        tgts.append(tgt)
+    assert not torch.isnan(tgts[1]).any()
+    assert torch.equal(tgts[1][0], torch.zeros(K))  # padding only: written as 0
+    torch.testing.assert_close(tgts[1], tgts[0], rtol=1e-6, atol=1e-6)
+
+
+def test_key_slice_bounds():
+    assert km.key_slice_bounds(50, 1, False) == [(0, 50)]
+    assert km.key_slice_bounds(50, 3, False) == [(0, 16), (16, 33), (33, 50)]
+    assert km.key_slice_bounds(2, 5, False) == [(0, 1), (1, 2)]  # never an empty range
+    for bad in (0, -1, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="key_slices'\\] must be an int >= 1"):
+            km.key_slice_bounds(50, bad, False)
+    with pytest.raises(ValueError, match="deterministic backward has none"):
+        km.key_slice_bounds(50, 2, True)
+
+
 def test_bad_arguments_name_the_argument():
     q, kv, idx = torch.randn(3, 2, 24), torch.randn(5, 24), torch.zeros(3, 4, dtype=torch.int32)
     out, lse, do = torch.zeros(3, 2, 16), torch.zeros(3, 2), torch.zeros(3, 2, 16)
@@ -177,6 +214,27 @@ def test_gpu_scratch_matches_default(N):
     for name, x, y in zip(("dq", "dkv"), b, a):
         err = ((x.float() - y.float()).norm() / y.float().norm()).item()
         assert err < 1e-2, f"{name}: relative L2 error {err}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [16, 128])
+def test_gpu_scratch_key_slices_match_default(N):
+    """bf16, ascending rows as HyTopK writes them: key_slices 4 (with the loss target) against the default."""
+    T, S, K = 1024, 3072, 2048
+    q, kv, idx = _gpu_case(T, N, S, K)
+    idx = torch.where(idx < 0, S + 1, idx).sort(dim=1).values
+    idx = torch.where(idx > S, -1, idx).int()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
+    do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
+    ta, tb = (torch.full((T, K), float("nan"), device="cuda") for _ in range(2))
+    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, chunk_tokens=300, target=ta)
+    b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, chunk_tokens=300, target=tb,
+                          scratch_cfg=dict(key_slices=4))
+    assert torch.equal(b[0], a[0])  # dq does not depend on the dkv launches
+    err = ((b[1] - a[1]).norm() / a[1].norm()).item()
+    assert err < 1e-5, f"dkv: relative L2 difference {err} (fp32 atomics in another order only)"
+    assert torch.equal(tb, ta)
 
 
 @pytest.mark.gpu

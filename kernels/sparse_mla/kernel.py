@@ -270,6 +270,7 @@ def _sparse_mla_bwd_dkv_scratch_kernel(
     DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr, NHB: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr, EVEN: tl.constexpr, DETERMINISTIC: tl.constexpr, tgt=None, TGT: tl.constexpr = False,
+    k_lo=0, k_hi=0, SLICED: tl.constexpr = False,
 ):
     """dkv without recompute: contracts the dS / P the dq kernel stored for a chunk of tokens.
 
@@ -279,7 +280,11 @@ def _sparse_mla_bwd_dkv_scratch_kernel(
     the destination rows (idx) are read. The value part is ONE dot per head block, [dS^T | P^T] @ [q_v ; dO]
     (reduction 2 * BLOCK_H): two dots chained on one accumulator make Triton give the first one
     warpsPerCTA [8, 1] and convert the [64, 512] fp32 accumulator between layouts every step (12 KB of
-    spills in the AOT report)."""
+    spills in the AOT report).
+
+    SLICED (scratch_cfg key_slices > 1): this launch adds only the rows of keys in [k_lo, k_hi), so that
+    dkv's rows being added to fit in L2; a key block with no valid key in that range does nothing. Worth
+    it with ascending index rows (HyTopK's order), where a block's keys span a narrow range."""
     pid = tl.program_id(0)
     i_c = pid // N_KB  # token within the chunk (its scratch row)
     i_t = i_c + row0  # query token
@@ -288,6 +293,26 @@ def _sparse_mla_bwd_dkv_scratch_kernel(
     m_kk = o_k < K
     b_idx = tl.load(idx + i_t.to(tl.int64) * K + o_k, mask=m_kk, other=-1).to(tl.int32)  # [BLOCK_K]
     m_k = b_idx >= 0  # valid slot (padding: P = dS = 0 in the scratch, but its row must not be touched)
+    if SLICED:
+        m_in = m_k & (b_idx >= k_lo) & (b_idx < k_hi)  # [BLOCK_K] valid slots of this launch's key range
+        if tl.max(m_in.to(tl.int32), axis=0) > 0:
+            _dkv_scratch_block(q, do, pds, dkv, tgt, i_c, i_t, o_k, m_kk, b_idx, m_in, N, DQK, V, R, K, NHB,
+                               BLOCK_H, BLOCK_K, BLOCK_V, BLOCK_R, IEEE, EVEN, DETERMINISTIC, TGT)
+        elif TGT:  # a block of padding only is live in no launch: its target (0) is written by the first
+            if (k_lo == 0) & (tl.max(m_k.to(tl.int32), axis=0) == 0):
+                tl.store(tgt + i_t.to(tl.int64) * K + o_k, tl.zeros([BLOCK_K], dtype=tl.float32), mask=m_kk)
+    else:
+        _dkv_scratch_block(q, do, pds, dkv, tgt, i_c, i_t, o_k, m_kk, b_idx, m_k, N, DQK, V, R, K, NHB,
+                           BLOCK_H, BLOCK_K, BLOCK_V, BLOCK_R, IEEE, EVEN, DETERMINISTIC, TGT)
+
+
+@triton.jit
+def _dkv_scratch_block(q, do, pds, dkv, tgt, i_c, i_t, o_k, m_kk, b_idx, m_k, N, DQK: tl.constexpr, V: tl.constexpr,
+                       R: tl.constexpr, K: tl.constexpr, NHB: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+                       EVEN: tl.constexpr, DETERMINISTIC: tl.constexpr, TGT: tl.constexpr):
+    """The scratch dkv kernel's work for one (token, key block): contraction over heads, then the adds
+    into dkv rows b_idx where m_k (or the deterministic contribution rows), and the loss target."""
     o_j = tl.arange(0, 2 * BLOCK_H)  # [2 * BLOCK_H] reduction rows: dS (with q) first, then P (with dO)
     m_j = o_j < BLOCK_H
     o_v = tl.arange(0, BLOCK_V)
@@ -428,7 +453,10 @@ BWD_FUSED_CFG = dict(block_h=32, block_k=16, num_warps=8, num_stages=2)
 # variant="scratch" (default): the dkv kernel that contracts the dq kernel's stored P / dS. BLOCK_K 64
 # keys = one wgmma M; 16 heads per step, 3 stages: 45.5 ms vs 50.1 for 32 heads / 2 stages at N = 128
 # (T = 16K; 34.5 vs 37.5 at N = 64; equal at N = 16); 32 keys: 76.6 (H200, session 6).
-BWD_SCRATCH_CFG = dict(block_h=16, block_k=64, num_warps=8, num_stages=3)
+# key_slices (opt-in, untimed): per chunk, one dkv launch per key range so that the dkv rows being added
+# to (fp32, 2.3 KB per key: 151 MB at 64K) fit in L2; measured on the H200 at 64K / N = 16 (session 9) the
+# dkv kernel took 167 ms vs 28.8 at 16K, where dkv fits. Pays off with ascending index rows (HyTopK's).
+BWD_SCRATCH_CFG = dict(block_h=16, block_k=64, num_warps=8, num_stages=3, key_slices=1)
 # its dq kernel with at most 16 heads (one 16-row M tile): 4 warps, 12.1 ms vs 23.8 with 8 at N = 16;
 # 8 warps above (N = 128: 117.6 vs 138.5 ms with 4)
 FEW_HEADS, BWD_DQ_WARPS_FEW_HEADS = 16, 4
@@ -589,19 +617,36 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
     launch = dict(BLOCK_H=bh, BLOCK_K=bk, NHB=triton.cdiv(N, bh), DQK=DQK, V=meta["V"], R=meta["R"], K=K,
                   BLOCK_V=meta["BLOCK_V"], BLOCK_R=meta["BLOCK_R"], IEEE=meta["IEEE"], EVEN=meta["EVEN"],
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    for r0 in range(0, T, rows):
+    slices = key_slice_bounds(kv.shape[0], cfg.get("key_slices", 1), deterministic)
+    for i_r, r0 in enumerate(range(0, T, rows)):
         r1 = min(T, r0 + rows)
         _sparse_mla_bwd_dq_kernel[((r1 - r0) * n_hb,)](
             q, kv, idx, out, dout, lse, dlse_c, delta, dq_chunk if over else dq, pds, r0, r0 if over else 0,
             *args, N, n_hb, SCRATCH=True, **dq_launch)
-        _sparse_mla_bwd_dkv_scratch_kernel[((r1 - r0) * n_kb,)](
-            q, idx, dout, pds, buf if deterministic else dkv, r0, N, n_kb, DETERMINISTIC=deterministic,
-            tgt=target if target is not None else delta, TGT=target is not None, **launch)
+        # key slices alternate direction from chunk to chunk: the last slice's dkv rows are still in L2
+        for k_lo, k_hi in (slices if i_r % 2 == 0 else slices[::-1]):
+            _sparse_mla_bwd_dkv_scratch_kernel[((r1 - r0) * n_kb,)](
+                q, idx, dout, pds, buf if deterministic else dkv, r0, N, n_kb, DETERMINISTIC=deterministic,
+                tgt=target if target is not None else delta, TGT=target is not None, k_lo=k_lo, k_hi=k_hi,
+                SLICED=len(slices) > 1, **launch)
         if deterministic:
             deterministic_scatter_add_(dkv, idx[r0:r1].reshape(-1), buf[: (r1 - r0) * K])
         if over:  # stream order: after the dkv kernel that read q[r0:r1]
             q[r0:r1].copy_(dq_chunk[: r1 - r0])
     return dq, dkv
+
+
+def key_slice_bounds(S: int, key_slices, deterministic: bool) -> list[tuple[int, int]]:
+    """[(k_lo, k_hi)] of the scratch dkv launches per chunk: ``key_slices`` equal ranges of [0, S)
+    (scratch_cfg["key_slices"], default 1: one launch over all keys). ValueError for a bad count or
+    with ``deterministic`` (its contribution rows have no dkv adds to slice)."""
+    if isinstance(key_slices, bool) or not isinstance(key_slices, int) or key_slices < 1:
+        raise ValueError(f"sparse_mla_bwd: scratch_cfg['key_slices'] must be an int >= 1, got {key_slices!r}")
+    if key_slices > 1 and deterministic:
+        raise ValueError("sparse_mla_bwd: scratch_cfg['key_slices'] > 1 slices the dkv atomics; the deterministic "
+                         "backward has none (drop key_slices or deterministic)")
+    n = min(key_slices, max(1, S))
+    return [(S * i // n, S * (i + 1) // n) for i in range(n)]
 
 
 def _check_target(target, T, K, variant, device) -> None:
