@@ -96,6 +96,13 @@ def causal_indices(T: int, K: int, device, seed: int = 0, S: int | None = None, 
     return idx
 
 
+def ascending_rows(idx: torch.Tensor) -> torch.Tensor:
+    """Index rows in HyTopK's output order: ascending keys, -1 padding last (same sets)."""
+    big = torch.iinfo(torch.int32).max
+    out = torch.where(idx < 0, big, idx).sort(dim=1).values
+    return torch.where(out == big, -1, out).to(idx.dtype)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor, rows: int = 2048) -> float:
     """||a - b|| / ||b|| over b's finite entries, in row chunks: whole-tensor fp32 copies at 64K tokens x
     128 heads (~17 GiB each, plus masks) ran a 2026-12-02 benchmark out of memory."""

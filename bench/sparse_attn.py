@@ -44,6 +44,8 @@ p.add_argument("--no-sweep", action="store_true")
 p.add_argument("--sweep-only", default="",
                help="comma-separated substrings: sweep only the fwd / bwd variants whose name contains one")
 p.add_argument("--no-loss", action="store_true")
+p.add_argument("--sorted", action="store_true",
+               help="ascending index rows, -1 padding last (HyTopK's order; stock gets the same rows)")
 p.add_argument("--out", default=os.environ.get("OUT", "/tmp/sparse_attn_out"))
 p.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "sparse_attn.csv"))
 p.add_argument("--prebuild-tilelang", action="store_true",
@@ -101,7 +103,8 @@ from hyscale_kernels.hytopk.selected_scores import selected_scores  # noqa: E402
 from hyscale_kernels.sparse_mla import flops, sparse_mla, sparse_mla_reference  # noqa: E402
 from hyscale_kernels.sparse_mla import kernel as km  # noqa: E402
 
-from common import append_csv, env_info, is_oom, markdown_table, peak_extra_bytes, time_ms  # noqa: E402
+from common import append_csv, ascending_rows, env_info, is_oom, markdown_table  # noqa: E402
+from common import peak_extra_bytes, time_ms  # noqa: E402
 from common import causal_indices as common_causal_indices  # noqa: E402
 from common import rel_err as rel  # noqa: E402
 
@@ -136,7 +139,8 @@ def swept(variants: dict) -> dict:
 
 
 def causal_indices(T, K, seed=0):
-    return common_causal_indices(T, K, DEV, seed)
+    idx = common_causal_indices(T, K, DEV, seed)
+    return ascending_rows(idx) if args.sorted else idx
 
 
 def precompile_worker(spec):
@@ -199,7 +203,7 @@ def left():
     return args.budget_s - (time.time() - T0)
 
 
-INFO = env_info()
+INFO = dict(env_info(), sorted_idx=int(args.sorted))
 ROWS = []
 
 

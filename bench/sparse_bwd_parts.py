@@ -53,7 +53,8 @@ if args.cpu_smoke:
 
 import torch  # noqa: E402
 
-from common import append_csv, causal_indices, env_info, markdown_table, rel_err, time_ms  # noqa: E402
+from common import append_csv, ascending_rows, causal_indices, env_info, markdown_table  # noqa: E402
+from common import rel_err, time_ms  # noqa: E402
 from hyscale_kernels.sparse_mla import flops  # noqa: E402
 from hyscale_kernels.sparse_mla import kernel as km  # noqa: E402
 
@@ -128,9 +129,7 @@ def main():
     T, K = args.T, args.topk
     idx = causal_indices(T, K, DEV)
     if args.sorted:  # HyTopK's output order: ascending keys, padding last
-        big = torch.iinfo(torch.int32).max
-        idx = torch.where(idx < 0, big, idx).sort(dim=1).values
-        idx = torch.where(idx == big, -1, idx).int()
+        idx = ascending_rows(idx)
     for N in [int(h) for h in args.heads.split(",")]:
         g = torch.Generator(device=DEV).manual_seed(N)
         q = torch.randn(T, N, 576, device=DEV, dtype=DT, generator=g)
