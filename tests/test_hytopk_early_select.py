@@ -24,22 +24,23 @@ INTERP = interpreter_active()
 interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
 
 
-def _cfg(H, early, warm=0, append="mask"):
-    return Config(block_n=16, rows_x_heads=2 * H, num_warps=1, num_stages=1, programs_per_sm=1,
+def _cfg(H, early, warm=0, append="mask", rows=2):
+    return Config(block_n=16, rows_x_heads=rows * H, num_warps=1, num_stages=1, programs_per_sm=1,
                   min_free_tiles=1, sel_chunk=64, search_bits=2, warm_start=warm, append=append,
-                  early_select=early)
+                  early_select=early, lane_rows=rows % 4 == 0)
 
 
-def _both(q, w, k, st, en, topk, relu, H, warm=0, append="mask"):
+def _both(q, w, k, st, en, topk, relu, H, warm=0, append="mask", rows=2):
     """(early, full) results: indices and scores."""
-    return [hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=_cfg(H, e, warm, append))
-            for e in (True, False)]
+    return [hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True,
+                   config=_cfg(H, e, warm, append, rows)) for e in (True, False)]
 
 
 @interp
 @pytest.mark.parametrize("warm", [0, 64], ids=["cold", "warm"])
-@pytest.mark.parametrize("relu", [False, True])
-def test_early_select_random_and_masked_rows(relu, warm):
+@pytest.mark.parametrize("relu,rows", [(False, 2), (True, 2), (True, 4)], ids=["id-2rows", "relu-2rows", "relu-4rows"])
+def test_early_select_random_and_masked_rows(relu, rows, warm):
+    """rows = 4: four rows per program with the default lane_rows column order, as compiled launches have."""
     T, S, H, topk = 21, 300, 4, 12
     g = torch.Generator().manual_seed(3 + warm)
     q, w, k = torch.randn(T, H, 32, generator=g), torch.randn(T, H, generator=g), torch.randn(S, 32, generator=g)
@@ -47,7 +48,7 @@ def test_early_select_random_and_masked_rows(relu, warm):
     st, en = st.clone(), en.clone()
     st[4], en[4] = 9, 9  # fully masked
     st[6], en[6] = 100, 107  # fewer than k visible keys
-    (ei, ev), (fi, fv) = _both(q, w, k, st, en, topk, relu, H, warm)
+    (ei, ev), (fi, fv) = _both(q, w, k, st, en, topk, relu, H, warm, rows=rows)
     assert_same_selection(q, w, k, st, en, topk, relu, ei, ev)
     assert torch.equal(ei, fi) and torch.equal(ev, fv), "early select differs from the full search"
     assert torch.equal(ei[4], torch.full((topk,), -1, dtype=ei.dtype))
