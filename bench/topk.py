@@ -97,13 +97,8 @@ def resources(cfgs, H=64, D=128, kk=2048):
     for i, cfg in enumerate(cfgs):
         select = not (isinstance(cfg, tuple) and cfg[0] == "floor")
         cfg = cfg if select else cfg[1]
-        R, cap, chunk, min_free, d_p2 = op._geometry(H, D, kk, cfg)
-        warm, chunk_w = op._warm_geometry(cap, chunk, cfg) if select else (0, 1)
-        const = dict(H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
-                     RELU=True, SELECT=select, WRITE_SCORES=False, IEEE=False, WHILE_LOOPS=False,
-                     SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w, WARM_Z=op.WARM_Z, WARM_MIN=op.WARM_MIN,
-                     APPEND=op.APPENDS.index(cfg.append) if select else 0, LANE_ROWS=op.lane_rows(cfg, R, H),
-                     EARLY=bool(cfg.early_select) and select)
+        const = op.kernel_constexprs(cfg, H, D, kk, select=select, relu=True, write_scores=False, ieee=False,
+                                     interp=False)
         try:
             t0 = time.time()
             kern = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const, attrs),

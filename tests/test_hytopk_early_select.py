@@ -116,12 +116,8 @@ attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if
 H, D, kk = 64, 128, 2048
 for early in (False, True):
     cfg = Config(early_select=early)
-    R, cap, chunk, min_free, d_p2 = op._geometry(H, D, kk, cfg)
-    warm, chunk_w = op._warm_geometry(cap, chunk, cfg)
-    const = dict(H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
-                 RELU=True, SELECT=True, WRITE_SCORES=True, IEEE=False, WHILE_LOOPS=False, SEARCH2=True,
-                 WARM=warm, CHUNK_W=chunk_w, WARM_Z=op.WARM_Z, WARM_MIN=op.WARM_MIN, APPEND=1,
-                 LANE_ROWS=op.lane_rows(cfg, R, H), EARLY=early)
+    const = op.kernel_constexprs(cfg, H, D, kk, select=True, relu=True, write_scores=True, ieee=False,
+                                 interp=False)
     k = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const, attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps,
                                                                       num_stages=cfg.num_stages))

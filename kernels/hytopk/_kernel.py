@@ -122,7 +122,7 @@ def _kth_key2(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK:
 
 
 @triton.jit
-def _kth_key2_early(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
+def _kth_key2_early(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr):
     """_kth_key2 that stops a row once the lower bound L of its prefix bucket has exactly kk keys at or
     above it: the row's top kk are then {keys >= L} whatever the lower bits (Config.early_select).
 
@@ -188,7 +188,7 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     n_rank = 0  # EARLY: rows whose keys equal to kth must be ranked (more of them than fit)
     if tl.max(cnt, axis=0) > kk:
         if EARLY:
-            kth_e, n_gt, rank = _kth_key2_early(key_rows, cnt, kk, o_h, R, CAP, CHUNK)
+            kth_e, n_gt, rank = _kth_key2_early(key_rows, cnt, kk, R, CAP)
             kth = tl.where(need, kth_e, INT32_MIN)
             n_rank = tl.sum((need & rank).to(tl.int32), axis=0)
         else:
@@ -429,7 +429,7 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
     o_hw = tl.arange(0, CHUNK_W)
     n_smp = tl.full([R], WARM, dtype=tl.int32)
     if EARLY:
-        tau, _, _ = _kth_key2_early(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W)
+        tau, _, _ = _kth_key2_early(key_rows, n_smp, j, R, WARM)
     elif SEARCH2:
         tau = _kth_key2(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W)
     else:

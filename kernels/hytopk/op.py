@@ -137,6 +137,18 @@ def lane_rows(cfg: Config, R: int, H: int) -> bool:
     return bool(cfg.lane_rows) and R % 4 == 0 and H % 2 == 0
 
 
+def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, relu: bool, write_scores: bool,
+                      ieee: bool, interp: bool) -> dict:
+    """hytopk_kernel's constexpr arguments for a launch (also what AOT compiles for sm_90a pass)."""
+    R, cap, chunk, min_free, d_p2 = _geometry(H, D, topk, cfg)
+    warm, chunk_w = _warm_geometry(cap, chunk, cfg) if select else (0, 1)
+    return dict(H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
+                RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(write_scores), IEEE=bool(ieee),
+                WHILE_LOOPS=bool(interp), SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w,
+                WARM_Z=WARM_Z, WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
+                LANE_ROWS=lane_rows(cfg, R, H), EARLY=bool(cfg.early_select))
+
+
 def _warm_geometry(cap: int, chunk: int, cfg: Config):
     """(WARM, CHUNK_W): warm-start sample keys per row block (0 = off) and their select chunk."""
     if cfg.warm_start <= 0:
@@ -152,8 +164,9 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     interp = interpreter_active()
     cfg = config or default_config(H, topk, interp)
     check_config(cfg, interp)
-    R, cap, chunk, min_free, d_p2 = _geometry(H, D, topk, cfg)
-    warm, chunk_w = _warm_geometry(cap, chunk, cfg) if select else (0, 1)
+    meta = kernel_constexprs(cfg, H, D, topk, select=select, relu=relu, write_scores=select and return_scores,
+                             ieee=q.dtype == torch.float32, interp=interp)
+    R, cap, warm = meta["R"], meta["CAP"], meta["WARM"]
     n_blocks = triton_cdiv(T, R)
     if interp or not q.is_cuda:
         n_prog = min(n_blocks, 3)
@@ -176,13 +189,7 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
         return (out_idx, out_val) if (return_scores or not select) else out_idx
     _kernel.hytopk_kernel[(n_prog,)](
         q, w, k, starts, ends, out_idx, out_val, scratch[0], scratch[1], stats,
-        T, S, topk, n_blocks, n_prog,
-        H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
-        RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(select and return_scores),
-        IEEE=q.dtype == torch.float32, WHILE_LOOPS=interp, SEARCH2=cfg.search_bits == 2,
-        WARM=warm, CHUNK_W=chunk_w, WARM_Z=WARM_Z, WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
-        LANE_ROWS=lane_rows(cfg, R, H), EARLY=bool(cfg.early_select),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        T, S, topk, n_blocks, n_prog, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if warm:
         global _warm_stats

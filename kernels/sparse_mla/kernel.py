@@ -617,7 +617,7 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
     launch = dict(BLOCK_H=bh, BLOCK_K=bk, NHB=triton.cdiv(N, bh), DQK=DQK, V=meta["V"], R=meta["R"], K=K,
                   BLOCK_V=meta["BLOCK_V"], BLOCK_R=meta["BLOCK_R"], IEEE=meta["IEEE"], EVEN=meta["EVEN"],
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    slices = key_slice_bounds(kv.shape[0], cfg.get("key_slices", 1), deterministic)
+    slices = key_slice_bounds(kv.shape[0], cfg["key_slices"], deterministic)
     for i_r, r0 in enumerate(range(0, T, rows)):
         r1 = min(T, r0 + rows)
         _sparse_mla_bwd_dq_kernel[((r1 - r0) * n_hb,)](
