@@ -440,6 +440,9 @@ SWEEP = [
     replace(_D, num_stages=4),  # cfg15
     replace(_D, early_select=True),  # cfg16 (session 9, untimed): radix select stops rows early (~11 of 17
     # passes on simulated 64K candidate sets), no separate count pass, no tie scan without excess ties
+    replace(_D, early_select=True, warm_start=1024),  # cfg17 (session 10): a tighter sampled threshold (64K rows
+    # keep ~3.1K candidates instead of ~4.2K: no compaction before the final select)
+    replace(_D, early_select=True, warm_start=2048),  # cfg18
 ]
 BEST = {}
 if "sweep" in args.parts:
@@ -459,14 +462,16 @@ if "sweep" in args.parts:
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=128), SWEEP[2], SWEEP[1],
                      replace(SWEEP[0], rows_x_heads=128, num_stages=4),  # cfg2 (128, 3 stages): default since s. 7
                      replace(SWEEP[0], rows_x_heads=128, lane_rows=False),  # cfg5: before session 9
-                     replace(SWEEP[0], rows_x_heads=128, early_select=True)]  # cfg6: untimed
+                     replace(SWEEP[0], rows_x_heads=128, early_select=True),  # cfg6: untimed
+                     replace(SWEEP[0], rows_x_heads=128, early_select=True, warm_start=1024)]  # cfg7
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],
                      SWEEP[5], SWEEP[7], SWEEP[8],  # cfg2 (32): default since s. 7
                      replace(SWEEP[0], rows_x_heads=32, num_stages=3), replace(SWEEP[0], rows_x_heads=16),
                      replace(SWEEP[0], rows_x_heads=32, lane_rows=False),  # cfg9: before session 9
-                     replace(SWEEP[0], rows_x_heads=32, early_select=True)]  # cfg10: untimed
+                     replace(SWEEP[0], rows_x_heads=32, early_select=True),  # cfg10: untimed
+                     replace(SWEEP[0], rows_x_heads=32, early_select=True, warm_start=1024)]  # cfg11
         if args.smoke:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
                      replace(default_config(H, kk, interpret=True), append="tile")]
