@@ -119,7 +119,9 @@ FWD_VARIANTS = {"fwd-bk64-split": dict(block_k=64, num_warps=8, num_stages=2, sp
                 "fwd-bk32": dict(block_k=32, num_warps=8, num_stages=2, split_mma=False),
                 "fwd-bk32-split": dict(block_k=32, num_warps=8, num_stages=2, split_mma=True),
                 "fwd-bk64-16w-split": dict(block_k=64, num_warps=16, num_stages=2, split_mma=True),
-                "fwd-bk64-split-1st": dict(block_k=64, num_warps=8, num_stages=1, split_mma=True)}
+                "fwd-bk64-split-1st": dict(block_k=64, num_warps=8, num_stages=1, split_mma=True),
+                # session 10: index slots one tile ahead (the gather no longer waits on a synchronous index load)
+                "fwd-bk64-split-pf": dict(block_k=64, num_warps=8, num_stages=2, split_mma=True, prefetch_idx=True)}
 BWD_VARIANTS = {"scratch (default)": dict(variant="scratch"),
                 "scratch dq nosplit": dict(variant="scratch", dq_cfg=dict(split_mma=False)),
                 "scratch dq split 1 stage": dict(variant="scratch", dq_cfg=dict(split_mma=True, num_stages=1)),

@@ -76,6 +76,7 @@ VARIANTS = {
     # S / dP split over the two warpgroups (kernels/_split_mma.py; default since session 9: dq 103.6 -> 61.2 ms
     # at N = 128, T = 16K): sm_90a, 64 x 32 tile: 136 -> 68 wgmma per key tile, spills 552 -> 220 B
     "scratch dq no split": dict(dq_cfg=dict(split_mma=False)),
+    "scratch dq prefetch idx": dict(dq_cfg=dict(prefetch_idx=True)),  # session 10: index slots a tile ahead
     # session 9, untimed: one dkv launch per key range (scratch_cfg key_slices) so the dkv rows being added
     # to stay in L2 (64K, N = 16: dkv 167 ms vs 28.8 at 16K); meant for ascending rows (--sorted)
     "scratch key slices 4": dict(scratch_cfg=dict(key_slices=4)),

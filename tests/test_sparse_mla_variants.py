@@ -252,3 +252,44 @@ def test_gpu_scratch_asm_stores_bit_identical(N):
     a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, **kw)
     b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, dq_cfg=dict(asm_stores=True), **kw)
     assert torch.equal(b[0], a[0]) and torch.equal(b[1], a[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("T,N,V,R,S,K", [
+    (5, 5, 32, 16, 40, 37),  # K % 16 != 0: the prefetch of the last, partial tile and of the slot past the row
+    (4, 16, 32, 16, 50, 16),  # one key tile: the prefetch reads only past the row
+])
+def test_prefetch_idx_matches(T, N, V, R, S, K):
+    """prefetch_idx (the forward's and the scratch dq kernel's index slots loaded a key tile ahead) changes
+    when indices load, not what is computed: out, lse, dq, dkv equal the default's (deterministic dkv)
+    and the reference's; rows with padding, an empty row and a one-key row included (_case)."""
+    q, kv, idx, do, dl = _case(T, N, V, R, S, K, seed=3)
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 0.3, V)
+    p_out, p_lse = km.sparse_mla_fwd(q, kv, idx, 0.3, V, prefetch_idx=True)
+    assert torch.equal(p_out, out) and torch.equal(p_lse, lse)
+    r_out, r_lse, r_dq, r_dkv = _reference_grads(q, kv, idx, 0.3, V, do, dl)
+    torch.testing.assert_close(p_out, r_out, **TOL)
+    kw = dict(deterministic=True, variant="scratch", chunk_tokens=3)
+    dq, dkv = km.sparse_mla_bwd(q, kv, idx, out, lse, do, dl, 0.3, V, **kw)
+    p_dq, p_dkv = km.sparse_mla_bwd(q, kv, idx, out, lse, do, dl, 0.3, V, dq_cfg=dict(prefetch_idx=True), **kw)
+    assert torch.equal(p_dq, dq) and torch.equal(p_dkv, dkv)
+    torch.testing.assert_close(p_dq, r_dq, **TOL)
+    torch.testing.assert_close(p_dkv, r_dkv, **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(64, 2048), (128, 2048), (80, 1000)])
+def test_gpu_prefetch_idx_bit_identical(N, K):
+    """The compiled prefetch kernels (sm_90: the gather pipelined on a loop-carried index tile) give the
+    default kernels' bits: forward out / lse, and dq / dkv with the deterministic dkv reduction."""
+    T, S = 700, 3072
+    q, kv, idx = _gpu_case(T, N, S, K)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
+    p_out, p_lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512, prefetch_idx=True)
+    assert torch.equal(p_out, out) and torch.equal(p_lse, lse)
+    do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
+    kw = dict(deterministic=True, chunk_tokens=256)
+    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, **kw)
+    b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, dq_cfg=dict(prefetch_idx=True), **kw)
+    assert torch.equal(b[0], a[0]) and torch.equal(b[1], a[1])

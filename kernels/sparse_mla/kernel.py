@@ -95,13 +95,28 @@ def _store_b16_pairs(p, v, m, ASM: tl.constexpr):
 
 
 @triton.jit
+def _load_idx(idx, i_t, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Slots [k0, k0+BLOCK_K) of token i_t's index row: [BLOCK_K] int32, -1 past K."""
+    o_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(idx + i_t.to(tl.int64) * K + o_k, mask=o_k < K, other=-1).to(tl.int32)
+
+
+@triton.jit
 def _gather_kv(kv, idx, i_t, k0, K: tl.constexpr, DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr,
                BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr,
                BIG: tl.constexpr):
     """Selected key rows [k0, k0+BLOCK_K) of token i_t: value [BLOCK_K, BLOCK_V] and rope [BLOCK_K, BLOCK_R]
     tiles, the (clamped, int32) rows, validity and slot offsets. Padded slots load row 0."""
-    o_k = k0 + tl.arange(0, BLOCK_K)
-    b_idx = tl.load(idx + i_t.to(tl.int64) * K + o_k, mask=o_k < K, other=-1).to(tl.int32)  # [BLOCK_K]
+    b_idx = _load_idx(idx, i_t, k0, K, BLOCK_K)  # [BLOCK_K]
+    b_kv, b_kr, b_row, m_k = _gather_rows(kv, b_idx, DQK, V, R, BLOCK_V, BLOCK_R, EVEN, BIG)
+    return b_kv, b_kr, b_row, m_k, k0 + tl.arange(0, BLOCK_K)
+
+
+@triton.jit
+def _gather_rows(kv, b_idx, DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_R: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr):
+    """Key rows b_idx [BLOCK_K] (-1: padding, loads row 0): value [BLOCK_K, BLOCK_V], rope [BLOCK_K, BLOCK_R],
+    the clamped rows and validity."""
     m_k = b_idx >= 0
     b_row = tl.where(m_k, b_idx, 0)
     if BIG:
@@ -117,7 +132,7 @@ def _gather_kv(kv, idx, i_t, k0, K: tl.constexpr, DQK: tl.constexpr, V: tl.const
     else:
         b_kv = tl.load(p_row + o_v[None, :], mask=(o_v[None, :] < V), other=0.0)
         b_kr = tl.load(p_row + V + o_r[None, :], mask=(o_r[None, :] < R), other=0.0)
-    return b_kv, b_kr, b_row, m_k, o_k
+    return b_kv, b_kr, b_row, m_k
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +144,10 @@ def _sparse_mla_fwd_kernel(
     DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, SPLIT_MMA: tl.constexpr = 0,
+    PREFETCH_IDX: tl.constexpr = False,
 ):
+    """PREFETCH_IDX: each key tile's index slots are loaded one tile ahead (a loop-carried value), so the
+    pipelined gather of the next tile does not first wait on a synchronous index load in the loop body."""
     pid = split_mma_mark(tl.program_id(0), SPLIT_MMA)  # SPLIT_MMA: QK^T split over warpgroups (_split_mma.py)
     i_t = pid // N_HB  # query token
     i_h = pid % N_HB  # head block (fastest: the blocks of one token share its gathers in L2)
@@ -142,9 +160,15 @@ def _sparse_mla_fwd_kernel(
     b_m = tl.full([BLOCK_H], -1e30, dtype=tl.float32)  # [BLOCK_H] running max (log2 units)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)  # [BLOCK_H] running sum
     b_acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)  # [BLOCK_H, BLOCK_V]
+    b_idx_next = _load_idx(idx, i_t, 0, K, BLOCK_K)  # [BLOCK_K] (PREFETCH_IDX)
     for k0 in range(0, K, BLOCK_K):
-        b_kv, b_kr, b_row, m_k, o_k = _gather_kv(kv, idx, i_t, k0, K, DQK, V, R, BLOCK_K, BLOCK_V, BLOCK_R,
-                                                 EVEN, BIG)
+        if PREFETCH_IDX:
+            b_idx = b_idx_next
+            b_idx_next = _load_idx(idx, i_t, k0 + BLOCK_K, K, BLOCK_K)  # -1 past the row: no gather
+            b_kv, b_kr, b_row, m_k = _gather_rows(kv, b_idx, DQK, V, R, BLOCK_V, BLOCK_R, EVEN, BIG)
+        else:
+            b_kv, b_kr, b_row, m_k, o_k = _gather_kv(kv, idx, i_t, k0, K, DQK, V, R, BLOCK_K, BLOCK_V, BLOCK_R,
+                                                     EVEN, BIG)
         b_s = _mac(b_qr, tl.trans(b_kr), _dot(b_qv, tl.trans(b_kv), IEEE), IEEE)  # [BLOCK_H, BLOCK_K]
         b_s = tl.where(m_k[None, :], b_s * scale_log2, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
@@ -171,8 +195,9 @@ def _sparse_mla_bwd_dq_kernel(
     DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr,
-    ASM_STORES: tl.constexpr = False, SPLIT_MMA: tl.constexpr = 0,
+    ASM_STORES: tl.constexpr = False, SPLIT_MMA: tl.constexpr = 0, PREFETCH_IDX: tl.constexpr = False,
 ):
+    """PREFETCH_IDX: as in the forward kernel, index slots one key tile ahead of their gather."""
     pid = split_mma_mark(tl.program_id(0), SPLIT_MMA)  # SPLIT_MMA: S and dP split over warpgroups
     i_t = pid // N_HB + row0  # query token (row0: first token of the chunk in the scratch variant)
     i_h = pid % N_HB
@@ -194,9 +219,16 @@ def _sparse_mla_bwd_dq_kernel(
     b_dqv = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)  # [BLOCK_H, BLOCK_V]
     b_dqr = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)  # [BLOCK_H, BLOCK_R]
     row_s = (i_t - row0).to(tl.int64) * 2 * N + o_h  # [BLOCK_H] dS rows of the scratch (chunk token, head)
+    b_idx_next = _load_idx(idx, i_t, 0, K, BLOCK_K)  # [BLOCK_K] (PREFETCH_IDX)
     for k0 in range(0, K, BLOCK_K):
-        b_kv, b_kr, b_row, m_k, o_k = _gather_kv(kv, idx, i_t, k0, K, DQK, V, R, BLOCK_K, BLOCK_V, BLOCK_R,
-                                                 EVEN, BIG)
+        if PREFETCH_IDX:
+            b_idx = b_idx_next
+            b_idx_next = _load_idx(idx, i_t, k0 + BLOCK_K, K, BLOCK_K)  # -1 past the row: no gather
+            b_kv, b_kr, b_row, m_k = _gather_rows(kv, b_idx, DQK, V, R, BLOCK_V, BLOCK_R, EVEN, BIG)
+            o_k = k0 + tl.arange(0, BLOCK_K)
+        else:
+            b_kv, b_kr, b_row, m_k, o_k = _gather_kv(kv, idx, i_t, k0, K, DQK, V, R, BLOCK_K, BLOCK_V, BLOCK_R,
+                                                     EVEN, BIG)
         b_s = _mac(b_qr, tl.trans(b_kr), _dot(b_qv, tl.trans(b_kv), IEEE), IEEE)  # [BLOCK_H, BLOCK_K]
         b_p = tl.exp2(b_s * scale_log2 - b_lse[:, None])
         b_p = tl.where(m_k[None, :], b_p, 0.0)  # [BLOCK_H, BLOCK_K]
@@ -440,8 +472,8 @@ def _block_h(N: int, block_h=None, cap: int = 64) -> int:
 # (2026-12-02, T = 16K, N = 128, k = 2048; bench/results/sparse_attn.csv, bench/NOTES_sparse_mla.md):
 # fwd BLOCK_K 64: 36.0 ms (260 TFLOP/s) vs 32: 50.4 ms (185), although ptxas reports 20 B of spills
 # for 64x64; bwd split dq32 + dkv32x32: 276 ms vs fused 32x16: 346 ms, dkv32x64: 1286 ms, dq16: 346 ms.
-FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=True)
-BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2, split_mma=True)
+FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=True, prefetch_idx=False)
+BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2, split_mma=True, prefetch_idx=False)
 # split_mma: the chained QK^T / dO V^T tiles split over the two warpgroups instead of both computing all
 # of them (kernels/_split_mma.py); sm_90a compile, 64 heads x 64 keys fwd: 72 -> 36 QK^T wgmma per key tile,
 # smem 221 -> 226 KB, spills 20 -> 32 B; dq (64 x 32, scratch stores): 136 -> 68 wgmma, spills 552 -> 220 B.
@@ -467,9 +499,10 @@ BWD_VARIANTS = (None, "scratch", "split", "fused")  # None = "scratch"
 
 
 def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None, num_warps=None, num_stages=None,
-                   split_mma=None):
+                   split_mma=None, prefetch_idx=None):
     """Kernel launch only (inputs already validated and contiguous) -> out [T, N, V], lse fp32 [T, N].
-    ``split_mma`` (None: FWD_CFG's): QK^T split over the warpgroups (Hopper; see kernels/_split_mma.py)."""
+    ``split_mma`` (None: FWD_CFG's): QK^T split over the warpgroups (Hopper; see kernels/_split_mma.py).
+    ``prefetch_idx`` (None: FWD_CFG's): index slots loaded one key tile ahead of their gather."""
     T, N, _ = q.shape
     out = _alloc(T, N, v_dim, dtype=q.dtype, device=q.device)
     lse = _alloc(T, N, dtype=torch.float32, device=q.device)
@@ -484,6 +517,7 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None,
         q, kv, idx, out, lse, softmax_scale * LOG2E, N, n_hb, BLOCK_H=bh,
         BLOCK_K=16 if interp else (block_k or FWD_CFG["block_k"]), **meta,
         SPLIT_MMA=split_flag(FWD_CFG["split_mma"] if split_mma is None else split_mma, interp, bh, nw),
+        PREFETCH_IDX=bool(FWD_CFG["prefetch_idx"] if prefetch_idx is None else prefetch_idx),
         num_warps=nw, num_stages=num_stages or FWD_CFG["num_stages"])
     return out, lse
 
@@ -570,6 +604,7 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     dq_launch = dict(BLOCK_H=bh, BLOCK_K=16 if interp else c1["block_k"], HAS_DLSE=dlse is not None, **meta,
                      ASM_STORES=bool(c1.get("asm_stores")) and not interp,
                      SPLIT_MMA=split_flag(bool(c1.get("split_mma")), interp, bh, c1["num_warps"]),
+                     PREFETCH_IDX=bool(c1.get("prefetch_idx")),
                      num_warps=c1["num_warps"], num_stages=c1["num_stages"])
     if variant == "scratch":
         return _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta, deterministic,
