@@ -235,11 +235,11 @@ def resources(N=128, K=2048):
         ("bwd_dq_scratch", km._sparse_mla_bwd_dq_kernel, DQ_CFGS[:1], dq_sig, dict(HAS_DLSE=False, SCRATCH=True)),
         ("bwd_dkv_scratch", km._sparse_mla_bwd_dkv_scratch_kernel, SCRATCH_CFGS,
          dict(q="*bf16", idx="*i32", do="*bf16", pds="*bf16", dkv="*fp32", row0="i32",
-              N="i32", N_KB="i32"), dict(DETERMINISTIC=False)),
-        # key_slices > 1: one launch per key range, blocks without a key in it skip the contraction
-        ("bwd_dkv_scratch_sliced", km._sparse_mla_bwd_dkv_scratch_kernel, SCRATCH_CFGS[1:2],
+              N="i32", N_KB="i32"), dict(DETERMINISTIC=False, GROUP=1)),
+        # scratch_cfg group (N <= 16: one head block): 4 key blocks per program, q / dO rows loaded once
+        ("bwd_dkv_scratch_group4", km._sparse_mla_bwd_dkv_scratch_kernel, SCRATCH_CFGS[1:3],
          dict(q="*bf16", idx="*i32", do="*bf16", pds="*bf16", dkv="*fp32", row0="i32",
-              N="i32", N_KB="i32", k_lo="i32", k_hi="i32"), dict(DETERMINISTIC=False, SLICED=True)),
+              N="i32", N_KB="i32"), dict(DETERMINISTIC=False, GROUP=4)),
         ("bwd_dkv", km._sparse_mla_bwd_dkv_kernel, DKV_CFGS,
          dict(ptrs, do="*bf16", lse="*fp32", delta="*fp32", dkv="*fp32", row0="i32",
               scale="fp32", scale_log2="fp32", N="i32", N_KB="i32"), dict(DETERMINISTIC=False)),
@@ -259,8 +259,8 @@ def resources(N=128, K=2048):
             continue
         for cfg in cfgs:
             const = dict(common, BLOCK_H=cfg["block_h"], BLOCK_K=cfg["block_k"], **extra)
-            if name in ("bwd_dkv", "bwd_dkv_scratch", "bwd_dkv_scratch_sliced"):
-                const["NHB"] = -(-N // cfg["block_h"])
+            if name.startswith("bwd_dkv"):
+                const["NHB"] = 1 if "GROUP" in extra else -(-N // cfg["block_h"])  # GROUP: N <= block_h
             if name.startswith("bwd_dkv_scratch"):  # no key-row gather: no BIG
                 const.pop("BIG")
             try:

@@ -76,11 +76,10 @@ VARIANTS = {
     # S / dP split over the two warpgroups (kernels/_split_mma.py; default since session 9: dq 103.6 -> 61.2 ms
     # at N = 128, T = 16K): sm_90a, 64 x 32 tile: 136 -> 68 wgmma per key tile, spills 552 -> 220 B
     "scratch dq no split": dict(dq_cfg=dict(split_mma=False)),
-    "scratch dq prefetch idx": dict(dq_cfg=dict(prefetch_idx=True)),  # session 10: index slots a tile ahead
-    # session 9, untimed: one dkv launch per key range (scratch_cfg key_slices) so the dkv rows being added
-    # to stay in L2 (64K, N = 16: dkv 167 ms vs 28.8 at 16K); meant for ascending rows (--sorted)
-    "scratch key slices 4": dict(scratch_cfg=dict(key_slices=4)),
-    "scratch key slices 8": dict(scratch_cfg=dict(key_slices=8)),
+    # session 10: N <= 16 (one head block): 2 / 4 / 8 key blocks per dkv program, q / dO rows loaded once
+    "scratch dkv group 2": dict(scratch_cfg=dict(group=2)),
+    "scratch dkv group 4": dict(scratch_cfg=dict(group=4)),
+    "scratch dkv group 8": dict(scratch_cfg=dict(group=8)),
     "scratch + target": dict(target=True),  # the loss target from the dkv kernel (loss_target='backward')
     "scratch chunk 512": dict(chunk_tokens=512),
     "scratch dkv bh32": dict(variant="scratch", scratch_cfg=dict(block_h=32, num_stages=2)),

@@ -131,43 +131,6 @@ def test_public_op_threads_the_variant(monkeypatch):
         assert seen[-1] == want
 
 
-@needs_triton
-@pytest.mark.parametrize("slices,ascending", [(2, True), (3, False), (7, True)])
-def test_scratch_key_slices_match(slices, ascending):
-    """scratch_cfg key_slices: one dkv launch per key range per chunk (S = 50 not a multiple of 3 or 7);
-    ascending rows (HyTopK's order, -1 padding last) and unordered rows give the reference's gradients,
-    and the loss target, with blocks of padding only (row 0), equals the unsliced one."""
-    T, N, V, R, S, K = 6, 16, 32, 16, 50, 40
-    q, kv, idx, do, dl = _case(T, N, V, R, S, K, seed=4)
-    if ascending:
-        idx = torch.where(idx < 0, S + 1, idx).sort(dim=1).values
-        idx = torch.where(idx > S, -1, idx).int()
-    out, lse = km.sparse_mla_fwd(q, kv, idx, 0.3, V)
-    r = _reference_grads(q, kv, idx, 0.3, V, do, dl)
-    tgts = []
-    for n in (1, slices):
-        tgt = torch.full((T, K), float("nan"))
-        g = km.sparse_mla_bwd(q, kv, idx, out, lse, do, dl, 0.3, V, variant="scratch", chunk_tokens=4,
-                              scratch_cfg=dict(key_slices=n), target=tgt)
-        torch.testing.assert_close(g[0], r[2], **TOL)
-        torch.testing.assert_close(g[1], r[3], **TOL)
-        tgts.append(tgt)
-    assert not torch.isnan(tgts[1]).any()
-    assert torch.equal(tgts[1][0], torch.zeros(K))  # padding only: written as 0
-    torch.testing.assert_close(tgts[1], tgts[0], rtol=1e-6, atol=1e-6)
-
-
-def test_key_slice_bounds():
-    assert km.key_slice_bounds(50, 1, False) == [(0, 50)]
-    assert km.key_slice_bounds(50, 3, False) == [(0, 16), (16, 33), (33, 50)]
-    assert km.key_slice_bounds(2, 5, False) == [(0, 1), (1, 2)]  # never an empty range
-    for bad in (0, -1, 2.5, True, "4"):
-        with pytest.raises(ValueError, match="key_slices'\\] must be an int >= 1"):
-            km.key_slice_bounds(50, bad, False)
-    with pytest.raises(ValueError, match="deterministic backward has none"):
-        km.key_slice_bounds(50, 2, True)
-
-
 def test_bad_arguments_name_the_argument():
     q, kv, idx = torch.randn(3, 2, 24), torch.randn(5, 24), torch.zeros(3, 4, dtype=torch.int32)
     out, lse, do = torch.zeros(3, 2, 16), torch.zeros(3, 2), torch.zeros(3, 2, 16)
@@ -217,27 +180,6 @@ def test_gpu_scratch_matches_default(N):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N", [16, 128])
-def test_gpu_scratch_key_slices_match_default(N):
-    """bf16, ascending rows as HyTopK writes them: key_slices 4 (with the loss target) against the default."""
-    T, S, K = 1024, 3072, 2048
-    q, kv, idx = _gpu_case(T, N, S, K)
-    idx = torch.where(idx < 0, S + 1, idx).sort(dim=1).values
-    idx = torch.where(idx > S, -1, idx).int()
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
-    do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
-    ta, tb = (torch.full((T, K), float("nan"), device="cuda") for _ in range(2))
-    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, chunk_tokens=300, target=ta)
-    b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, chunk_tokens=300, target=tb,
-                          scratch_cfg=dict(key_slices=4))
-    assert torch.equal(b[0], a[0])  # dq does not depend on the dkv launches
-    err = ((b[1] - a[1]).norm() / a[1].norm()).item()
-    assert err < 1e-5, f"dkv: relative L2 difference {err} (fp32 atomics in another order only)"
-    assert torch.equal(tb, ta)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("N", [16, 70, 128])
 def test_gpu_scratch_asm_stores_bit_identical(N):
     """dq_cfg asm_stores (P / dS stored by inline PTX in the MMA layout, two bf16 per 32-bit store when
@@ -260,36 +202,84 @@ def test_gpu_scratch_asm_stores_bit_identical(N):
     (4, 16, 32, 16, 50, 16),  # one key tile: the prefetch reads only past the row
 ])
 def test_prefetch_idx_matches(T, N, V, R, S, K):
-    """prefetch_idx (the forward's and the scratch dq kernel's index slots loaded a key tile ahead) changes
-    when indices load, not what is computed: out, lse, dq, dkv equal the default's (deterministic dkv)
-    and the reference's; rows with padding, an empty row and a one-key row included (_case)."""
+    """The forward's prefetch_idx (index slots loaded a key tile ahead; the default) changes when indices
+    load, not what is computed: out and lse equal the non-prefetching kernel's and the reference's; rows
+    with padding, an empty row and a one-key row included (_case)."""
     q, kv, idx, do, dl = _case(T, N, V, R, S, K, seed=3)
-    out, lse = km.sparse_mla_fwd(q, kv, idx, 0.3, V)
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 0.3, V, prefetch_idx=False)
     p_out, p_lse = km.sparse_mla_fwd(q, kv, idx, 0.3, V, prefetch_idx=True)
     assert torch.equal(p_out, out) and torch.equal(p_lse, lse)
-    r_out, r_lse, r_dq, r_dkv = _reference_grads(q, kv, idx, 0.3, V, do, dl)
+    r_out, r_lse, _, _ = _reference_grads(q, kv, idx, 0.3, V, do, dl)
     torch.testing.assert_close(p_out, r_out, **TOL)
-    kw = dict(deterministic=True, variant="scratch", chunk_tokens=3)
-    dq, dkv = km.sparse_mla_bwd(q, kv, idx, out, lse, do, dl, 0.3, V, **kw)
-    p_dq, p_dkv = km.sparse_mla_bwd(q, kv, idx, out, lse, do, dl, 0.3, V, dq_cfg=dict(prefetch_idx=True), **kw)
-    assert torch.equal(p_dq, dq) and torch.equal(p_dkv, dkv)
-    torch.testing.assert_close(p_dq, r_dq, **TOL)
-    torch.testing.assert_close(p_dkv, r_dkv, **TOL)
+    torch.testing.assert_close(p_lse, r_lse, **TOL)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(64, 2048), (128, 2048), (80, 1000)])
 def test_gpu_prefetch_idx_bit_identical(N, K):
-    """The compiled prefetch kernels (sm_90: the gather pipelined on a loop-carried index tile) give the
-    default kernels' bits: forward out / lse, and dq / dkv with the deterministic dkv reduction."""
+    """The compiled forward with prefetch_idx (sm_90: the gather pipelined on a loop-carried index tile) gives
+    the non-prefetching kernel's bits (out, lse)."""
     T, S = 700, 3072
     q, kv, idx = _gpu_case(T, N, S, K)
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512, prefetch_idx=False)
     p_out, p_lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512, prefetch_idx=True)
     assert torch.equal(p_out, out) and torch.equal(p_lse, lse)
+
+
+@needs_triton
+@pytest.mark.parametrize("group,deterministic,with_target", [(2, False, True), (3, True, False), (5, False, False)])
+def test_scratch_dkv_group_matches(group, deterministic, with_target):
+    """scratch_cfg group: one dkv program per token and `group` key blocks (q / dO rows loaded once). K = 40
+    gives 3 key blocks of 16 under the interpreter, so group 2 leaves a partial group and group 5 runs past
+    the row: gradients and the loss target equal group 1's and the reference's (row 0: padding only)."""
+    T, N, V, R, S, K = 6, 5, 32, 16, 50, 40
+    q, kv, idx, do, dl = _case(T, N, V, R, S, K, seed=5)
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 0.3, V)
+    r = _reference_grads(q, kv, idx, 0.3, V, do, dl)
+    got = []
+    for g in (1, group):
+        tgt = torch.full((T, K), float("nan")) if with_target else None
+        dq, dkv = km.sparse_mla_bwd(q, kv, idx, out, lse, do, dl, 0.3, V, variant="scratch", chunk_tokens=4,
+                                    deterministic=deterministic, scratch_cfg=dict(group=g), target=tgt)
+        torch.testing.assert_close(dq, r[2], **TOL)
+        torch.testing.assert_close(dkv, r[3], **TOL)
+        got.append((dq, dkv, tgt))
+    assert torch.equal(got[1][0], got[0][0])  # dq does not depend on the dkv kernel
+    if deterministic:
+        assert torch.equal(got[1][1], got[0][1])
+    if with_target:
+        assert not torch.isnan(got[1][2]).any() and torch.equal(got[1][2][0], torch.zeros(K))
+        torch.testing.assert_close(got[1][2], got[0][2], rtol=1e-6, atol=1e-6)
+
+
+def test_scratch_group_errors():
+    assert km.scratch_group(4, 16, 16) == 4 and km.scratch_group(1, 128, 16) == 1
+    for bad in (0, -1, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="group'\\] must be an int >= 1"):
+            km.scratch_group(bad, 16, 16)
+    with pytest.raises(ValueError, match="needs all 32 heads in one head block"):
+        km.scratch_group(2, 32, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [2, 4])
+def test_gpu_scratch_dkv_group_matches_default(group):
+    """bf16, N = 16 (one head block), k = 2048 (32 key blocks) with the loss target: group against group 1;
+    deterministic dkv bit-identical, atomic dkv within fp32 reordering."""
+    T, N, S, K = 1024, 16, 3072, 2048
+    q, kv, idx = _gpu_case(T, N, S, K)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
     do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
-    kw = dict(deterministic=True, chunk_tokens=256)
+    ta, tb = (torch.full((T, K), float("nan"), device="cuda") for _ in range(2))
+    kw = dict(chunk_tokens=300)
+    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, target=ta, **kw)
+    b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, target=tb,
+                          scratch_cfg=dict(group=group), **kw)
+    assert torch.equal(b[0], a[0]) and torch.equal(tb, ta)
+    err = ((b[1] - a[1]).norm() / a[1].norm()).item()
+    assert err < 1e-5, f"dkv: relative L2 difference {err} (fp32 atomics in another order only)"
+    kw["deterministic"] = True
     a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, **kw)
-    b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, dq_cfg=dict(prefetch_idx=True), **kw)
-    assert torch.equal(b[0], a[0]) and torch.equal(b[1], a[1])
+    b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, scratch_cfg=dict(group=group), **kw)
+    assert torch.equal(b[1], a[1])

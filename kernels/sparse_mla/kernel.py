@@ -195,9 +195,8 @@ def _sparse_mla_bwd_dq_kernel(
     DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr,
-    ASM_STORES: tl.constexpr = False, SPLIT_MMA: tl.constexpr = 0, PREFETCH_IDX: tl.constexpr = False,
+    ASM_STORES: tl.constexpr = False, SPLIT_MMA: tl.constexpr = 0,
 ):
-    """PREFETCH_IDX: as in the forward kernel, index slots one key tile ahead of their gather."""
     pid = split_mma_mark(tl.program_id(0), SPLIT_MMA)  # SPLIT_MMA: S and dP split over warpgroups
     i_t = pid // N_HB + row0  # query token (row0: first token of the chunk in the scratch variant)
     i_h = pid % N_HB
@@ -219,16 +218,11 @@ def _sparse_mla_bwd_dq_kernel(
     b_dqv = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)  # [BLOCK_H, BLOCK_V]
     b_dqr = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)  # [BLOCK_H, BLOCK_R]
     row_s = (i_t - row0).to(tl.int64) * 2 * N + o_h  # [BLOCK_H] dS rows of the scratch (chunk token, head)
-    b_idx_next = _load_idx(idx, i_t, 0, K, BLOCK_K)  # [BLOCK_K] (PREFETCH_IDX)
+    # (index slots prefetched a tile ahead, as in the forward: 30.4 -> 33.1 ms at N = 64, 61.0 -> 69.2 at
+    # N = 128, T = 16K, H200 session 10: not used here)
     for k0 in range(0, K, BLOCK_K):
-        if PREFETCH_IDX:
-            b_idx = b_idx_next
-            b_idx_next = _load_idx(idx, i_t, k0 + BLOCK_K, K, BLOCK_K)  # -1 past the row: no gather
-            b_kv, b_kr, b_row, m_k = _gather_rows(kv, b_idx, DQK, V, R, BLOCK_V, BLOCK_R, EVEN, BIG)
-            o_k = k0 + tl.arange(0, BLOCK_K)
-        else:
-            b_kv, b_kr, b_row, m_k, o_k = _gather_kv(kv, idx, i_t, k0, K, DQK, V, R, BLOCK_K, BLOCK_V, BLOCK_R,
-                                                     EVEN, BIG)
+        b_kv, b_kr, b_row, m_k, o_k = _gather_kv(kv, idx, i_t, k0, K, DQK, V, R, BLOCK_K, BLOCK_V, BLOCK_R,
+                                                 EVEN, BIG)
         b_s = _mac(b_qr, tl.trans(b_kr), _dot(b_qv, tl.trans(b_kv), IEEE), IEEE)  # [BLOCK_H, BLOCK_K]
         b_p = tl.exp2(b_s * scale_log2 - b_lse[:, None])
         b_p = tl.where(m_k[None, :], b_p, 0.0)  # [BLOCK_H, BLOCK_K]
@@ -302,80 +296,102 @@ def _sparse_mla_bwd_dkv_scratch_kernel(
     DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr, NHB: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr, EVEN: tl.constexpr, DETERMINISTIC: tl.constexpr, tgt=None, TGT: tl.constexpr = False,
-    k_lo=0, k_hi=0, SLICED: tl.constexpr = False,
+    GROUP: tl.constexpr = 1,
 ):
     """dkv without recompute: contracts the dS / P the dq kernel stored for a chunk of tokens.
 
-    One program per (chunk token, key block); keys are the MMA M side, heads the reduction:
+    One program per (chunk token, GROUP consecutive key blocks); keys are the MMA M side, heads the reduction:
     dkv[key, :V] = sum_h dS[h, key] q[h, :V] + P[h, key] dO[h, :], dkv[key, V:] = sum_h dS[h, key] q[h, V:].
     1088 MACs per (head, key) instead of the recomputing kernel's 2176, and no key-row gather: only
     the destination rows (idx) are read. The value part is ONE dot per head block, [dS^T | P^T] @ [q_v ; dO]
     (reduction 2 * BLOCK_H): two dots chained on one accumulator make Triton give the first one
     warpsPerCTA [8, 1] and convert the [64, 512] fp32 accumulator between layouts every step (12 KB of
-    spills in the AOT report).
-
-    SLICED (scratch_cfg key_slices > 1): this launch adds only the rows of keys in [k_lo, k_hi), so that
-    dkv's rows being added to fit in L2; a key block with no valid key in that range does nothing. Worth
-    it with ascending index rows (HyTopK's order), where a block's keys span a narrow range."""
+    spills in the AOT report). GROUP > 1 with one head block (NHB == 1): the token's q / dO rows are loaded
+    once for its GROUP key blocks instead of once per block (scratch_cfg group)."""
     pid = tl.program_id(0)
-    i_c = pid // N_KB  # token within the chunk (its scratch row)
+    n_g = (N_KB + GROUP - 1) // GROUP  # key-block groups per token
+    i_c = pid // n_g  # token within the chunk (its scratch row)
     i_t = i_c + row0  # query token
-    i_kb = pid % N_KB  # key block (fastest: the blocks of one token share its q / dO in L2)
+    i_g = pid % n_g  # key-block group (fastest: the groups of one token share its q / dO in L2)
+    if GROUP == 1:
+        _dkv_scratch_block(q, do, pds, dkv, tgt, idx, i_c, i_t, i_g, N, DQK, V, R, K, NHB,
+                           BLOCK_H, BLOCK_K, BLOCK_V, BLOCK_R, IEEE, EVEN, DETERMINISTIC, TGT)
+    else:
+        tl.static_assert(NHB == 1, "scratch_cfg group > 1 needs all heads in one block")
+        b_qdo, b_qr, o_h, o_hj, m_h, m_hj = _dkv_head_rows(q, do, i_t, 0, N, DQK, V, R, BLOCK_H, BLOCK_V, BLOCK_R,
+                                                            EVEN)
+        for i_j in range(GROUP):
+            i_kb = i_g * GROUP + i_j  # past N_KB: every slot is masked (o_k >= K)
+            o_k, m_kk, b_idx, m_k = _dkv_block_slots(idx, i_t, i_kb, K, BLOCK_K)
+            b_acc_v = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)  # [BLOCK_K, BLOCK_V]
+            b_acc_r = tl.zeros([BLOCK_K, BLOCK_R], dtype=tl.float32)  # [BLOCK_K, BLOCK_R]
+            b_acc_t = tl.zeros([BLOCK_K, 16], dtype=tl.float32)  # [BLOCK_K, 16] TGT: only column 0 nonzero
+            b_acc_v, b_acc_r, b_acc_t = _dkv_contract(b_qdo, b_qr, pds, i_c, o_h, o_hj, m_h, m_hj, o_k, m_kk, N, K,
+                                                      b_acc_v, b_acc_r, b_acc_t, BLOCK_H, IEEE, TGT)
+            _dkv_write(dkv, tgt, i_c, i_t, o_k, m_kk, b_idx, m_k, b_acc_v, b_acc_r, b_acc_t, DQK, V, R, K,
+                       BLOCK_V, BLOCK_R, DETERMINISTIC, TGT)
+
+
+@triton.jit
+def _dkv_block_slots(idx, i_t, i_kb, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Key block i_kb of token i_t: slots [BLOCK_K], their mask, the index rows (-1 padding) and validity."""
     o_k = i_kb * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K] slots
     m_kk = o_k < K
     b_idx = tl.load(idx + i_t.to(tl.int64) * K + o_k, mask=m_kk, other=-1).to(tl.int32)  # [BLOCK_K]
     m_k = b_idx >= 0  # valid slot (padding: P = dS = 0 in the scratch, but its row must not be touched)
-    if SLICED:
-        m_in = m_k & (b_idx >= k_lo) & (b_idx < k_hi)  # [BLOCK_K] valid slots of this launch's key range
-        if tl.max(m_in.to(tl.int32), axis=0) > 0:
-            _dkv_scratch_block(q, do, pds, dkv, tgt, i_c, i_t, o_k, m_kk, b_idx, m_in, N, DQK, V, R, K, NHB,
-                               BLOCK_H, BLOCK_K, BLOCK_V, BLOCK_R, IEEE, EVEN, DETERMINISTIC, TGT)
-        elif TGT:  # a block of padding only is live in no launch: its target (0) is written by the first
-            if (k_lo == 0) & (tl.max(m_k.to(tl.int32), axis=0) == 0):
-                tl.store(tgt + i_t.to(tl.int64) * K + o_k, tl.zeros([BLOCK_K], dtype=tl.float32), mask=m_kk)
-    else:
-        _dkv_scratch_block(q, do, pds, dkv, tgt, i_c, i_t, o_k, m_kk, b_idx, m_k, N, DQK, V, R, K, NHB,
-                           BLOCK_H, BLOCK_K, BLOCK_V, BLOCK_R, IEEE, EVEN, DETERMINISTIC, TGT)
+    return o_k, m_kk, b_idx, m_k
 
 
 @triton.jit
-def _dkv_scratch_block(q, do, pds, dkv, tgt, i_c, i_t, o_k, m_kk, b_idx, m_k, N, DQK: tl.constexpr, V: tl.constexpr,
-                       R: tl.constexpr, K: tl.constexpr, NHB: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
-                       EVEN: tl.constexpr, DETERMINISTIC: tl.constexpr, TGT: tl.constexpr):
-    """The scratch dkv kernel's work for one (token, key block): contraction over heads, then the adds
-    into dkv rows b_idx where m_k (or the deterministic contribution rows), and the loss target."""
+def _dkv_head_rows(q, do, i_t, i_h, N, DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr):
+    """Head block i_h of token i_t: [q_v ; dO] rows [2 * BLOCK_H, BLOCK_V] (dS's operand first, then P's),
+    q's rope rows [BLOCK_H, BLOCK_R], and the heads / masks of both."""
     o_j = tl.arange(0, 2 * BLOCK_H)  # [2 * BLOCK_H] reduction rows: dS (with q) first, then P (with dO)
     m_j = o_j < BLOCK_H
     o_v = tl.arange(0, BLOCK_V)
-    o_r = tl.arange(0, BLOCK_R)
-    b_acc_v = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)  # [BLOCK_K, BLOCK_V]
-    b_acc_r = tl.zeros([BLOCK_K, BLOCK_R], dtype=tl.float32)  # [BLOCK_K, BLOCK_R]
-    if TGT:  # the indexer-loss target: head sums of the stored P on the tensor cores, P^T @ e0 (column 0 = 1)
-        b_acc_t = tl.zeros([BLOCK_K, 16], dtype=tl.float32)  # [BLOCK_K, 16], only column 0 nonzero
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    m_h = o_h < N
+    o_hj = i_h * BLOCK_H + o_j % BLOCK_H  # [2 * BLOCK_H] head of each reduction row
+    m_hj = o_hj < N
+    row_j = i_t.to(tl.int64) * N + o_hj  # [2 * BLOCK_H]
+    p_j = tl.where(m_j, q + row_j * DQK, do + row_j * V)  # [2 * BLOCK_H] q rows, then dO rows
+    if EVEN:
+        b_qdo = tl.load(p_j[:, None] + o_v[None, :], mask=m_hj[:, None], other=0.0)  # [2 * BLOCK_H, BLOCK_V]
+    else:
+        b_qdo = tl.load(p_j[:, None] + o_v[None, :], mask=m_hj[:, None] & (o_v[None, :] < V), other=0.0)
+    b_qr = _load_rows(q, i_t.to(tl.int64) * N + o_h, m_h, V, DQK, R, BLOCK_R, EVEN)  # [BLOCK_H, BLOCK_R]
+    return b_qdo, b_qr, o_h, o_hj, m_h, m_hj
+
+
+@triton.jit
+def _dkv_contract(b_qdo, b_qr, pds, i_c, o_h, o_hj, m_h, m_hj, o_k, m_kk, N, K: tl.constexpr, b_acc_v, b_acc_r,
+                  b_acc_t, BLOCK_H: tl.constexpr, IEEE: tl.constexpr, TGT: tl.constexpr):
+    """One head block's share of a key block: the stored dS / P against [q_v ; dO] and q's rope rows, added
+    to the accumulators (and, TGT, P's head sum on the tensor cores: P^T @ e0, column 0 ones)."""
+    o_j = tl.arange(0, 2 * BLOCK_H)
+    # pds is [chunk, 2, N, K]: plane 0 = dS, plane 1 = P
+    o_sj = ((i_c * 2 + (o_j >= BLOCK_H)).to(tl.int64) * N + o_hj)[:, None] * K + o_k[None, :]
+    b_dsp = tl.load(pds + o_sj, mask=m_hj[:, None] & m_kk[None, :], other=0.0)  # [2 * BLOCK_H, BLOCK_K]
+    o_s = (i_c.to(tl.int64) * 2 * N + o_h)[:, None] * K + o_k[None, :]
+    b_ds = tl.load(pds + o_s, mask=m_h[:, None] & m_kk[None, :], other=0.0)  # [BLOCK_H, BLOCK_K] (L1 / L2 hit)
+    b_acc_v = _mac(tl.trans(b_dsp), b_qdo, b_acc_v, IEEE)
+    b_acc_r = _mac(tl.trans(b_ds), b_qr, b_acc_r, IEEE)
+    if TGT:
+        b_p = tl.load(pds + o_s + N * K, mask=m_h[:, None] & m_kk[None, :], other=0.0)  # [BLOCK_H, BLOCK_K] P
         b_e0 = (tl.arange(0, 16)[None, :] == 0) & (tl.arange(0, BLOCK_H)[:, None] >= 0)  # [BLOCK_H, 16]
-    for i_h in range(NHB):  # all heads of the token
-        o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
-        m_h = o_h < N
-        o_hj = i_h * BLOCK_H + o_j % BLOCK_H  # [2 * BLOCK_H] head of each reduction row
-        m_hj = o_hj < N
-        row_j = i_t.to(tl.int64) * N + o_hj  # [2 * BLOCK_H]
-        p_j = tl.where(m_j, q + row_j * DQK, do + row_j * V)  # [2 * BLOCK_H] q rows, then dO rows
-        if EVEN:
-            b_qdo = tl.load(p_j[:, None] + o_v[None, :], mask=m_hj[:, None], other=0.0)  # [2 * BLOCK_H, BLOCK_V]
-        else:
-            b_qdo = tl.load(p_j[:, None] + o_v[None, :], mask=m_hj[:, None] & (o_v[None, :] < V), other=0.0)
-        b_qr = _load_rows(q, i_t.to(tl.int64) * N + o_h, m_h, V, DQK, R, BLOCK_R, EVEN)  # [BLOCK_H, BLOCK_R]
-        # pds is [chunk, 2, N, K]: plane 0 = dS, plane 1 = P
-        o_sj = ((i_c * 2 + (o_j >= BLOCK_H)).to(tl.int64) * N + o_hj)[:, None] * K + o_k[None, :]
-        b_dsp = tl.load(pds + o_sj, mask=m_hj[:, None] & m_kk[None, :], other=0.0)  # [2 * BLOCK_H, BLOCK_K]
-        o_s = (i_c.to(tl.int64) * 2 * N + o_h)[:, None] * K + o_k[None, :]
-        b_ds = tl.load(pds + o_s, mask=m_h[:, None] & m_kk[None, :], other=0.0)  # [BLOCK_H, BLOCK_K] (L1 / L2 hit)
-        b_acc_v = _mac(tl.trans(b_dsp), b_qdo, b_acc_v, IEEE)
-        b_acc_r = _mac(tl.trans(b_ds), b_qr, b_acc_r, IEEE)
-        if TGT:
-            b_p = tl.load(pds + o_s + N * K, mask=m_h[:, None] & m_kk[None, :], other=0.0)  # [BLOCK_H, BLOCK_K] P
-            b_acc_t = _mac(tl.trans(b_p), b_e0.to(b_p.dtype), b_acc_t, IEEE)
+        b_acc_t = _mac(tl.trans(b_p), b_e0.to(b_p.dtype), b_acc_t, IEEE)
+    return b_acc_v, b_acc_r, b_acc_t
+
+
+@triton.jit
+def _dkv_write(dkv, tgt, i_c, i_t, o_k, m_kk, b_idx, m_k, b_acc_v, b_acc_r, b_acc_t, DQK: tl.constexpr,
+               V: tl.constexpr, R: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+               DETERMINISTIC: tl.constexpr, TGT: tl.constexpr):
+    """A key block's result: the adds into dkv rows b_idx where m_k (or the deterministic contribution rows)
+    and the loss target."""
+    o_v = tl.arange(0, BLOCK_V)
+    o_r = tl.arange(0, BLOCK_R)
     if TGT:  # one program per (token, key block): a plain store, deterministic
         tl.store(tgt + i_t.to(tl.int64) * K + o_k, tl.sum(b_acc_t, axis=1), mask=m_kk)
     if DETERMINISTIC:  # contribution rows ordered (chunk token, slot), reduced later in sorted order
@@ -387,6 +403,26 @@ def _dkv_scratch_block(q, do, pds, dkv, tgt, i_c, i_t, o_k, m_kk, b_idx, m_k, N,
         p_row = dkv + tl.where(m_k, b_idx, 0).to(tl.int64)[:, None] * DQK
         tl.atomic_add(p_row + o_v[None, :], b_acc_v, mask=m_k[:, None] & (o_v[None, :] < V), sem="relaxed")
         tl.atomic_add(p_row + V + o_r[None, :], b_acc_r, mask=m_k[:, None] & (o_r[None, :] < R), sem="relaxed")
+
+
+@triton.jit
+def _dkv_scratch_block(q, do, pds, dkv, tgt, idx, i_c, i_t, i_kb, N, DQK: tl.constexpr, V: tl.constexpr,
+                       R: tl.constexpr, K: tl.constexpr, NHB: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+                       EVEN: tl.constexpr, DETERMINISTIC: tl.constexpr, TGT: tl.constexpr):
+    """The scratch dkv kernel's work for one (token, key block): contraction over all heads, then the adds
+    into dkv rows (or the deterministic contribution rows), and the loss target."""
+    o_k, m_kk, b_idx, m_k = _dkv_block_slots(idx, i_t, i_kb, K, BLOCK_K)
+    b_acc_v = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)  # [BLOCK_K, BLOCK_V]
+    b_acc_r = tl.zeros([BLOCK_K, BLOCK_R], dtype=tl.float32)  # [BLOCK_K, BLOCK_R]
+    b_acc_t = tl.zeros([BLOCK_K, 16], dtype=tl.float32)  # [BLOCK_K, 16] TGT: only column 0 nonzero
+    for i_h in range(NHB):  # all heads of the token
+        b_qdo, b_qr, o_h, o_hj, m_h, m_hj = _dkv_head_rows(q, do, i_t, i_h, N, DQK, V, R, BLOCK_H, BLOCK_V,
+                                                            BLOCK_R, EVEN)
+        b_acc_v, b_acc_r, b_acc_t = _dkv_contract(b_qdo, b_qr, pds, i_c, o_h, o_hj, m_h, m_hj, o_k, m_kk, N, K,
+                                                  b_acc_v, b_acc_r, b_acc_t, BLOCK_H, IEEE, TGT)
+    _dkv_write(dkv, tgt, i_c, i_t, o_k, m_kk, b_idx, m_k, b_acc_v, b_acc_r, b_acc_t, DQK, V, R, K, BLOCK_V, BLOCK_R,
+               DETERMINISTIC, TGT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,8 +508,13 @@ def _block_h(N: int, block_h=None, cap: int = 64) -> int:
 # (2026-12-02, T = 16K, N = 128, k = 2048; bench/results/sparse_attn.csv, bench/NOTES_sparse_mla.md):
 # fwd BLOCK_K 64: 36.0 ms (260 TFLOP/s) vs 32: 50.4 ms (185), although ptxas reports 20 B of spills
 # for 64x64; bwd split dq32 + dkv32x32: 276 ms vs fused 32x16: 346 ms, dkv32x64: 1286 ms, dq16: 346 ms.
-FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=True, prefetch_idx=False)
-BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2, split_mma=True, prefetch_idx=False)
+FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=True, prefetch_idx=True)
+# prefetch_idx: the index slots of key tile i + 1 are loaded during tile i (loop-carried), so the pipelined
+# gather of the next tile is issued without first waiting on a synchronous index load (sm_90a TTGIR: before,
+# a tt.load of the indices sat in front of the async copies every iteration). H200, T = 64K (session 10,
+# bench/sparse_attn.py --sweep-only, one process): N = 64 62.2 -> 52.2 ms (300 -> 358 TFLOP/s), N = 128
+# 110.4 -> 108.9 ms; bit-identical output.
+BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2, split_mma=True)
 # split_mma: the chained QK^T / dO V^T tiles split over the two warpgroups instead of both computing all
 # of them (kernels/_split_mma.py); sm_90a compile, 64 heads x 64 keys fwd: 72 -> 36 QK^T wgmma per key tile,
 # smem 221 -> 226 KB, spills 20 -> 32 B; dq (64 x 32, scratch stores): 136 -> 68 wgmma, spills 552 -> 220 B.
@@ -485,10 +526,10 @@ BWD_FUSED_CFG = dict(block_h=32, block_k=16, num_warps=8, num_stages=2)
 # variant="scratch" (default): the dkv kernel that contracts the dq kernel's stored P / dS. BLOCK_K 64
 # keys = one wgmma M; 16 heads per step, 3 stages: 45.5 ms vs 50.1 for 32 heads / 2 stages at N = 128
 # (T = 16K; 34.5 vs 37.5 at N = 64; equal at N = 16); 32 keys: 76.6 (H200, session 6).
-# key_slices (opt-in, untimed): per chunk, one dkv launch per key range so that the dkv rows being added
-# to (fp32, 2.3 KB per key: 151 MB at 64K) fit in L2; measured on the H200 at 64K / N = 16 (session 9) the
-# dkv kernel took 167 ms vs 28.8 at 16K, where dkv fits. Pays off with ascending index rows (HyTopK's).
-BWD_SCRATCH_CFG = dict(block_h=16, block_k=64, num_warps=8, num_stages=3, key_slices=1)
+# (Tried, session 10: one dkv launch per key range ("key slices") so that the fp32 dkv rows being added to fit
+# in L2; at 64K / N = 16 with ascending rows the dkv kernel took 163.9 ms with 4 slices, 216.6 with 8, vs 164.2
+# with one launch: the atomics' L2 misses are not what bounds it. Removed.)
+BWD_SCRATCH_CFG = dict(block_h=16, block_k=64, num_warps=8, num_stages=3, group=1)
 # its dq kernel with at most 16 heads (one 16-row M tile): 4 warps, 12.1 ms vs 23.8 with 8 at N = 16;
 # 8 warps above (N = 128: 117.6 vs 138.5 ms with 4)
 FEW_HEADS, BWD_DQ_WARPS_FEW_HEADS = 16, 4
@@ -604,7 +645,6 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     dq_launch = dict(BLOCK_H=bh, BLOCK_K=16 if interp else c1["block_k"], HAS_DLSE=dlse is not None, **meta,
                      ASM_STORES=bool(c1.get("asm_stores")) and not interp,
                      SPLIT_MMA=split_flag(bool(c1.get("split_mma")), interp, bh, c1["num_warps"]),
-                     PREFETCH_IDX=bool(c1.get("prefetch_idx")),
                      num_warps=c1["num_warps"], num_stages=c1["num_stages"])
     if variant == "scratch":
         return _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta, deterministic,
@@ -649,21 +689,18 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
     bh = min(_block_h(N), cfg.get("block_h") or 64)
     bk = 16 if interp else cfg["block_k"]
     n_kb = triton.cdiv(K, bk)
+    group = scratch_group(cfg.get("group", 1), N, bh)
     launch = dict(BLOCK_H=bh, BLOCK_K=bk, NHB=triton.cdiv(N, bh), DQK=DQK, V=meta["V"], R=meta["R"], K=K,
                   BLOCK_V=meta["BLOCK_V"], BLOCK_R=meta["BLOCK_R"], IEEE=meta["IEEE"], EVEN=meta["EVEN"],
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    slices = key_slice_bounds(kv.shape[0], cfg["key_slices"], deterministic)
-    for i_r, r0 in enumerate(range(0, T, rows)):
+    for r0 in range(0, T, rows):
         r1 = min(T, r0 + rows)
         _sparse_mla_bwd_dq_kernel[((r1 - r0) * n_hb,)](
             q, kv, idx, out, dout, lse, dlse_c, delta, dq_chunk if over else dq, pds, r0, r0 if over else 0,
             *args, N, n_hb, SCRATCH=True, **dq_launch)
-        # key slices alternate direction from chunk to chunk: the last slice's dkv rows are still in L2
-        for k_lo, k_hi in (slices if i_r % 2 == 0 else slices[::-1]):
-            _sparse_mla_bwd_dkv_scratch_kernel[((r1 - r0) * n_kb,)](
-                q, idx, dout, pds, buf if deterministic else dkv, r0, N, n_kb, DETERMINISTIC=deterministic,
-                tgt=target if target is not None else delta, TGT=target is not None, k_lo=k_lo, k_hi=k_hi,
-                SLICED=len(slices) > 1, **launch)
+        _sparse_mla_bwd_dkv_scratch_kernel[((r1 - r0) * triton.cdiv(n_kb, group),)](
+            q, idx, dout, pds, buf if deterministic else dkv, r0, N, n_kb, DETERMINISTIC=deterministic,
+            tgt=target if target is not None else delta, TGT=target is not None, GROUP=group, **launch)
         if deterministic:
             deterministic_scatter_add_(dkv, idx[r0:r1].reshape(-1), buf[: (r1 - r0) * K])
         if over:  # stream order: after the dkv kernel that read q[r0:r1]
@@ -671,17 +708,15 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
     return dq, dkv
 
 
-def key_slice_bounds(S: int, key_slices, deterministic: bool) -> list[tuple[int, int]]:
-    """[(k_lo, k_hi)] of the scratch dkv launches per chunk: ``key_slices`` equal ranges of [0, S)
-    (scratch_cfg["key_slices"], default 1: one launch over all keys). ValueError for a bad count or
-    with ``deterministic`` (its contribution rows have no dkv adds to slice)."""
-    if isinstance(key_slices, bool) or not isinstance(key_slices, int) or key_slices < 1:
-        raise ValueError(f"sparse_mla_bwd: scratch_cfg['key_slices'] must be an int >= 1, got {key_slices!r}")
-    if key_slices > 1 and deterministic:
-        raise ValueError("sparse_mla_bwd: scratch_cfg['key_slices'] > 1 slices the dkv atomics; the deterministic "
-                         "backward has none (drop key_slices or deterministic)")
-    n = min(key_slices, max(1, S))
-    return [(S * i // n, S * (i + 1) // n) for i in range(n)]
+def scratch_group(group, N: int, block_h: int) -> int:
+    """scratch_cfg["group"]: key blocks per program of the scratch dkv kernel (the token's q / dO rows loaded
+    once for all of them). Needs every head in one block (N <= block_h); ValueError otherwise."""
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"sparse_mla_bwd: scratch_cfg['group'] must be an int >= 1, got {group!r}")
+    if group > 1 and N > block_h:
+        raise ValueError(f"sparse_mla_bwd: scratch_cfg['group'] = {group} needs all {N} heads in one head block "
+                         f"(block_h {block_h}); use group=1 or block_h >= {N}")
+    return group
 
 
 def _check_target(target, T, K, variant, device) -> None:
