@@ -77,6 +77,8 @@ VARIANTS = {
     # at N = 128, T = 16K): sm_90a, 64 x 32 tile: 136 -> 68 wgmma per key tile, spills 552 -> 220 B
     "scratch dq no split": dict(dq_cfg=dict(split_mma=False)),
     # session 10: N <= 16 (one head block): 2 / 4 / 8 key blocks per dkv program, q / dO rows loaded once
+    # (8 is the default there since session 10; "group 1" is the kernel before)
+    "scratch dkv group 1": dict(scratch_cfg=dict(group=1)),
     "scratch dkv group 2": dict(scratch_cfg=dict(group=2)),
     "scratch dkv group 4": dict(scratch_cfg=dict(group=4)),
     "scratch dkv group 8": dict(scratch_cfg=dict(group=8)),

@@ -237,7 +237,7 @@ def test_scratch_dkv_group_matches(group, deterministic, with_target):
     out, lse = km.sparse_mla_fwd(q, kv, idx, 0.3, V)
     r = _reference_grads(q, kv, idx, 0.3, V, do, dl)
     got = []
-    for g in (1, group):
+    for g in (1, group):  # N = 5 <= block_h: the default (None) would be SCRATCH_GROUP_ONE_BLOCK
         tgt = torch.full((T, K), float("nan")) if with_target else None
         dq, dkv = km.sparse_mla_bwd(q, kv, idx, out, lse, do, dl, 0.3, V, variant="scratch", chunk_tokens=4,
                                     deterministic=deterministic, scratch_cfg=dict(group=g), target=tgt)
@@ -254,6 +254,7 @@ def test_scratch_dkv_group_matches(group, deterministic, with_target):
 
 def test_scratch_group_errors():
     assert km.scratch_group(4, 16, 16) == 4 and km.scratch_group(1, 128, 16) == 1
+    assert km.scratch_group(None, 16, 16) == km.SCRATCH_GROUP_ONE_BLOCK and km.scratch_group(None, 17, 16) == 1
     for bad in (0, -1, 2.5, True, "4"):
         with pytest.raises(ValueError, match="group'\\] must be an int >= 1"):
             km.scratch_group(bad, 16, 16)
@@ -273,13 +274,13 @@ def test_gpu_scratch_dkv_group_matches_default(group):
     do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
     ta, tb = (torch.full((T, K), float("nan"), device="cuda") for _ in range(2))
     kw = dict(chunk_tokens=300)
-    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, target=ta, **kw)
+    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, target=ta, scratch_cfg=dict(group=1), **kw)
     b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, target=tb,
                           scratch_cfg=dict(group=group), **kw)
     assert torch.equal(b[0], a[0]) and torch.equal(tb, ta)
     err = ((b[1] - a[1]).norm() / a[1].norm()).item()
     assert err < 1e-5, f"dkv: relative L2 difference {err} (fp32 atomics in another order only)"
     kw["deterministic"] = True
-    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, **kw)
+    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, scratch_cfg=dict(group=1), **kw)
     b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, scratch_cfg=dict(group=group), **kw)
     assert torch.equal(b[1], a[1])

@@ -529,7 +529,11 @@ BWD_FUSED_CFG = dict(block_h=32, block_k=16, num_warps=8, num_stages=2)
 # (Tried, session 10: one dkv launch per key range ("key slices") so that the fp32 dkv rows being added to fit
 # in L2; at 64K / N = 16 with ascending rows the dkv kernel took 163.9 ms with 4 slices, 216.6 with 8, vs 164.2
 # with one launch: the atomics' L2 misses are not what bounds it. Removed.)
-BWD_SCRATCH_CFG = dict(block_h=16, block_k=64, num_warps=8, num_stages=3, group=1)
+# group: key blocks per dkv program when all heads fit one head block (N <= 16), the token's q / dO rows loaded
+# once for all of them (None: 8 there, else 1). H200, N = 16 (session 10, bench/sparse_bwd_parts.py): dkv kernel
+# 64K 167.1 -> 142.5 / 141.4 / 140.6 ms with 2 / 4 / 8, 16K 29.1 -> 23.8 with 8.
+BWD_SCRATCH_CFG = dict(block_h=16, block_k=64, num_warps=8, num_stages=3, group=None)
+SCRATCH_GROUP_ONE_BLOCK = 8
 # its dq kernel with at most 16 heads (one 16-row M tile): 4 warps, 12.1 ms vs 23.8 with 8 at N = 16;
 # 8 warps above (N = 128: 117.6 vs 138.5 ms with 4)
 FEW_HEADS, BWD_DQ_WARPS_FEW_HEADS = 16, 4
@@ -689,7 +693,7 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
     bh = min(_block_h(N), cfg.get("block_h") or 64)
     bk = 16 if interp else cfg["block_k"]
     n_kb = triton.cdiv(K, bk)
-    group = scratch_group(cfg.get("group", 1), N, bh)
+    group = scratch_group(cfg.get("group"), N, bh)
     launch = dict(BLOCK_H=bh, BLOCK_K=bk, NHB=triton.cdiv(N, bh), DQK=DQK, V=meta["V"], R=meta["R"], K=K,
                   BLOCK_V=meta["BLOCK_V"], BLOCK_R=meta["BLOCK_R"], IEEE=meta["IEEE"], EVEN=meta["EVEN"],
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -710,7 +714,10 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
 
 def scratch_group(group, N: int, block_h: int) -> int:
     """scratch_cfg["group"]: key blocks per program of the scratch dkv kernel (the token's q / dO rows loaded
-    once for all of them). Needs every head in one block (N <= block_h); ValueError otherwise."""
+    once for all of them). None: SCRATCH_GROUP_ONE_BLOCK where every head fits one block (N <= block_h), else
+    1. An explicit group > 1 needs that too; ValueError otherwise."""
+    if group is None:
+        return SCRATCH_GROUP_ONE_BLOCK if N <= block_h else 1
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         raise ValueError(f"sparse_mla_bwd: scratch_cfg['group'] must be an int >= 1, got {group!r}")
     if group > 1 and N > block_h:
