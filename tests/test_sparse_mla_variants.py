@@ -284,3 +284,63 @@ def test_gpu_scratch_dkv_group_matches_default(group):
     a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, scratch_cfg=dict(group=1), **kw)
     b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, scratch_cfg=dict(group=group), **kw)
     assert torch.equal(b[1], a[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("deterministic,over", [(True, False), (True, True), (False, True)])
+def test_scratch_overlap_matches(deterministic, over):
+    """scratch_cfg overlap: two sets of half-size chunk buffers used alternately (on CUDA the dq kernels run on
+    a side stream; here the same order serially). T = 7 with chunk_tokens 6 gives chunks of 3 rows: buffers
+    0, 1, 0 (the third chunk reuses the first's scratch), also with dq written over q's storage; the loss
+    target too. Gradients equal the plain scratch backward's with 3-row chunks (bit for bit with the
+    deterministic dkv, whose fp32 sums follow the chunks)."""
+    T, N, V, R, S, K = 7, 5, 32, 16, 50, 40
+    q, kv, idx, do, dl = _case(T, N, V, R, S, K, seed=6)
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 0.3, V)
+    got = []
+    for ov in (False, True):
+        tgt = torch.full((T, K), float("nan"))
+        qq = q.clone()
+        dq, dkv = km.sparse_mla_bwd(qq, kv, idx, out, lse, do, dl, 0.3, V, deterministic=deterministic,
+                                    variant="scratch", chunk_tokens=6 if ov else 3, dq_over_q=over, target=tgt,
+                                    scratch_cfg=dict(overlap=ov))
+        assert not torch.isnan(dq).any() and not torch.isnan(tgt).any()
+        if over:
+            assert dq.data_ptr() == qq.data_ptr()
+        got.append((dq, dkv, tgt))
+    r = _reference_grads(q, kv, idx, 0.3, V, do, dl)
+    torch.testing.assert_close(got[1][0], r[2], **TOL)
+    torch.testing.assert_close(got[1][1], r[3], **TOL)
+    assert torch.equal(got[1][0], got[0][0]) and torch.equal(got[1][2], got[0][2])
+    if deterministic:
+        assert torch.equal(got[1][1], got[0][1])
+    else:
+        torch.testing.assert_close(got[1][1], got[0][1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,over", [(16, False), (128, True)])
+def test_gpu_scratch_overlap_matches_default(N, over):
+    """bf16, several chunks of 128 rows: the overlapped backward (dq kernels on a side stream) gives the plain one's dq and
+    loss target bit for bit, dkv within fp32 atomic reordering (bit for bit with the deterministic dkv), also
+    with dq written over q's storage; the caller's stream sees the finished result."""
+    T, S, K = 1100, 3072, 2048
+    q, kv, idx = _gpu_case(T, N, S, K)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
+    do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
+    for det in (False, True):
+        res = []
+        for ov in (False, True):
+            tgt = torch.full((T, K), float("nan"), device="cuda")
+            qq = q.clone()
+            g = km.sparse_mla_bwd(qq, kv, idx, out, lse, do, None, 576 ** -0.5, 512, chunk_tokens=256 if ov else 128,
+                                  deterministic=det, dq_over_q=over, target=None if det else tgt,
+                                  scratch_cfg=dict(overlap=ov))
+            res.append((g[0].clone(), g[1].clone(), tgt.clone()))  # cloned on the caller's stream
+        assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][2], res[0][2])
+        if det:
+            assert torch.equal(res[1][1], res[0][1])
+        else:
+            err = ((res[1][1] - res[0][1]).norm() / res[0][1].norm()).item()
+            assert err < 1e-5, f"dkv: relative L2 difference {err}"
