@@ -125,8 +125,6 @@ FWD_VARIANTS = {  # prefetch_idx=False: the kernels as measured before session 1
                 # synchronous index load; 64K N = 64 62.2 -> 52.2 ms, N = 128 110.4 -> 108.9
                 "fwd-bk64-split-pf": dict(block_k=64, num_warps=8, num_stages=2, split_mma=True, prefetch_idx=True)}
 BWD_VARIANTS = {"scratch (default)": dict(variant="scratch"),
-                # session 10: dq kernels on a side stream beside the previous chunk's dkv kernel
-                "scratch overlap": dict(variant="scratch", scratch_cfg=dict(overlap=True)),
                 "scratch dq nosplit": dict(variant="scratch", dq_cfg=dict(split_mma=False)),
                 "scratch dq split 1 stage": dict(variant="scratch", dq_cfg=dict(split_mma=True, num_stages=1)),
                 "fused-32x16": dict(split=False),

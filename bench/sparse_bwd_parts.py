@@ -82,8 +82,6 @@ VARIANTS = {
     "scratch dkv group 2": dict(scratch_cfg=dict(group=2)),
     "scratch dkv group 4": dict(scratch_cfg=dict(group=4)),
     "scratch dkv group 8": dict(scratch_cfg=dict(group=8)),
-    # session 10: chunk c + 1's dq kernel on a side stream beside chunk c's dkv kernel (two half-size buffers)
-    "scratch overlap": dict(scratch_cfg=dict(overlap=True)),
     "scratch + target": dict(target=True),  # the loss target from the dkv kernel (loss_target='backward')
     "scratch chunk 512": dict(chunk_tokens=512),
     "scratch dkv bh32": dict(variant="scratch", scratch_cfg=dict(block_h=32, num_stages=2)),

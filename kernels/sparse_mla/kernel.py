@@ -36,8 +36,6 @@ vs 152 / 174; N = 16 41 vs 109 / 65.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -682,20 +680,16 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
                  cfg, interp, chunk_tokens, buf_elems, over, target=None):
     """variant="scratch": per token chunk, dq kernel (+ P / dS stores) then the dkv contraction kernel.
     ``over`` (dq is q's storage): the dq kernel writes a chunk buffer, copied over q's chunk rows after
-    the chunk's dkv kernel has read them. ``cfg["overlap"]``: two sets of chunk buffers (each half the
-    chunk) and, on CUDA, the dq kernels on a second, high-priority stream, so that chunk c + 1's dq kernel
-    (gather-bound) runs beside chunk c's dkv kernel (atomic-bound); on CPU the same order runs serially."""
+    the chunk's dkv kernel has read them."""
     T, N, DQK = q.shape
     K = idx.shape[1]
-    overlap = bool(cfg.get("overlap"))
-    n_buf = 2 if overlap else 1
-    rows = max(1, scratch_chunk_tokens(T, N, K, q.element_size(), chunk_tokens) // n_buf)
+    rows = scratch_chunk_tokens(T, N, K, q.element_size(), chunk_tokens)
     if deterministic:  # one contribution buffer per chunk, within buf_elems
-        rows = min(rows, max(1, buf_elems // max(1, K * DQK * n_buf)))
-        bufs = [torch.empty(rows * K, DQK, dtype=torch.float32, device=q.device) for _ in range(n_buf)]
+        rows = min(rows, max(1, buf_elems // max(1, K * DQK)))
+        buf = torch.empty(rows * K, DQK, dtype=torch.float32, device=q.device)
     # _alloc: tests fill the scratch with NaN, so a dS / P element the dq kernel misses fails them
-    pds = [_alloc(rows, 2, N, K, dtype=q.dtype, device=q.device) for _ in range(n_buf)]  # [chunk, 2 (dS, P), N, K]
-    dq_chunk = [_alloc(rows, N, DQK, dtype=q.dtype, device=q.device) for _ in range(n_buf)] if over else None
+    pds = _alloc(rows, 2, N, K, dtype=q.dtype, device=q.device)  # [chunk, 2 (dS, P), N, K]
+    dq_chunk = _alloc(rows, N, DQK, dtype=q.dtype, device=q.device) if over else None
     bh = min(_block_h(N), cfg.get("block_h") or 64)
     bk = 16 if interp else cfg["block_k"]
     n_kb = triton.cdiv(K, bk)
@@ -703,69 +697,19 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
     launch = dict(BLOCK_H=bh, BLOCK_K=bk, NHB=triton.cdiv(N, bh), DQK=DQK, V=meta["V"], R=meta["R"], K=K,
                   BLOCK_V=meta["BLOCK_V"], BLOCK_R=meta["BLOCK_R"], IEEE=meta["IEEE"], EVEN=meta["EVEN"],
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    streams = _Streams(q.device, overlap and q.is_cuda)
-    for i_r, r0 in enumerate(range(0, T, rows)):
+    for r0 in range(0, T, rows):
         r1 = min(T, r0 + rows)
-        b = i_r % n_buf
-        with streams.dq(b):  # after the dkv kernel that last read buffer b
-            _sparse_mla_bwd_dq_kernel[((r1 - r0) * n_hb,)](
-                q, kv, idx, out, dout, lse, dlse_c, delta, dq_chunk[b] if over else dq, pds[b], r0,
-                r0 if over else 0, *args, N, n_hb, SCRATCH=True, **dq_launch)
-        with streams.dkv(b):  # after that dq kernel
-            _sparse_mla_bwd_dkv_scratch_kernel[((r1 - r0) * triton.cdiv(n_kb, group),)](
-                q, idx, dout, pds[b], bufs[b] if deterministic else dkv, r0, N, n_kb, DETERMINISTIC=deterministic,
-                tgt=target if target is not None else delta, TGT=target is not None, GROUP=group, **launch)
-            if deterministic:
-                deterministic_scatter_add_(dkv, idx[r0:r1].reshape(-1), bufs[b][: (r1 - r0) * K])
-            if over:  # stream order: after the dkv kernel that read q[r0:r1]
-                q[r0:r1].copy_(dq_chunk[b][: r1 - r0])
-    streams.join()
+        _sparse_mla_bwd_dq_kernel[((r1 - r0) * n_hb,)](
+            q, kv, idx, out, dout, lse, dlse_c, delta, dq_chunk if over else dq, pds, r0, r0 if over else 0,
+            *args, N, n_hb, SCRATCH=True, **dq_launch)
+        _sparse_mla_bwd_dkv_scratch_kernel[((r1 - r0) * triton.cdiv(n_kb, group),)](
+            q, idx, dout, pds, buf if deterministic else dkv, r0, N, n_kb, DETERMINISTIC=deterministic,
+            tgt=target if target is not None else delta, TGT=target is not None, GROUP=group, **launch)
+        if deterministic:
+            deterministic_scatter_add_(dkv, idx[r0:r1].reshape(-1), buf[: (r1 - r0) * K])
+        if over:  # stream order: after the dkv kernel that read q[r0:r1]
+            q[r0:r1].copy_(dq_chunk[: r1 - r0])
     return dq, dkv
-
-
-class _Streams:
-    """Stream order of the overlapped scratch backward: dq kernels on a high-priority side stream, dkv work on
-    the caller's stream, events between them per chunk buffer. Inactive (CPU, or no overlap): plain calls."""
-
-    _side: dict = {}  # device -> the side stream (one per device, reused)
-
-    def __init__(self, device, active: bool):
-        self.active = active
-        if active:
-            self.main = torch.cuda.current_stream(device)
-            if device not in _Streams._side:
-                _Streams._side[device] = torch.cuda.Stream(device, priority=-1)
-            self.side = _Streams._side[device]
-            self.side.wait_stream(self.main)  # inputs, dkv zeroing
-            self.freed = {}  # buffer -> event: its last dkv kernel (and copies) done
-            self.ready = None  # event: the last dq kernel done
-
-    @contextlib.contextmanager
-    def dq(self, b):
-        if not self.active:
-            yield
-            return
-        with torch.cuda.stream(self.side):
-            if b in self.freed:
-                self.side.wait_event(self.freed[b])
-            yield
-            self.ready = torch.cuda.Event()
-            self.ready.record(self.side)
-
-    @contextlib.contextmanager
-    def dkv(self, b):
-        if not self.active:
-            yield
-            return
-        self.main.wait_event(self.ready)
-        yield
-        self.freed[b] = torch.cuda.Event()
-        self.freed[b].record(self.main)
-
-    def join(self):
-        """The caller's stream continues after every dq kernel (dq rows written on the side stream)."""
-        if self.active:
-            self.main.wait_stream(self.side)
 
 
 def scratch_group(group, N: int, block_h: int) -> int:
