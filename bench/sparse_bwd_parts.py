@@ -82,6 +82,9 @@ VARIANTS = {
     "scratch dkv group 2": dict(scratch_cfg=dict(group=2)),
     "scratch dkv group 4": dict(scratch_cfg=dict(group=4)),
     "scratch dkv group 8": dict(scratch_cfg=dict(group=8)),
+    # session 10: the few-heads dq kernel (N <= 16) prefetches its index slots by default; off, and 3 stages
+    "scratch dq prefetch off": dict(dq_cfg=dict(prefetch_idx=False)),
+    "scratch dq prefetch 3 stages": dict(dq_cfg=dict(num_stages=3)),
     "scratch + target": dict(target=True),  # the loss target from the dkv kernel (loss_target='backward')
     "scratch chunk 512": dict(chunk_tokens=512),
     "scratch dkv bh32": dict(variant="scratch", scratch_cfg=dict(block_h=32, num_stages=2)),

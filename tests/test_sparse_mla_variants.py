@@ -202,16 +202,23 @@ def test_gpu_scratch_asm_stores_bit_identical(N):
     (4, 16, 32, 16, 50, 16),  # one key tile: the prefetch reads only past the row
 ])
 def test_prefetch_idx_matches(T, N, V, R, S, K):
-    """The forward's prefetch_idx (index slots loaded a key tile ahead; the default) changes when indices
-    load, not what is computed: out and lse equal the non-prefetching kernel's and the reference's; rows
-    with padding, an empty row and a one-key row included (_case)."""
+    """prefetch_idx (index slots loaded a key tile ahead; the forward's default, the few-heads dq kernel's)
+    changes when indices load, not what is computed: out, lse, dq, dkv equal the non-prefetching kernels' and
+    the reference's; rows with padding, an empty row and a one-key row included (_case)."""
     q, kv, idx, do, dl = _case(T, N, V, R, S, K, seed=3)
     out, lse = km.sparse_mla_fwd(q, kv, idx, 0.3, V, prefetch_idx=False)
     p_out, p_lse = km.sparse_mla_fwd(q, kv, idx, 0.3, V, prefetch_idx=True)
     assert torch.equal(p_out, out) and torch.equal(p_lse, lse)
-    r_out, r_lse, _, _ = _reference_grads(q, kv, idx, 0.3, V, do, dl)
+    r_out, r_lse, r_dq, r_dkv = _reference_grads(q, kv, idx, 0.3, V, do, dl)
     torch.testing.assert_close(p_out, r_out, **TOL)
     torch.testing.assert_close(p_lse, r_lse, **TOL)
+    # the scratch dq kernel's prefetch (default with <= 16 heads): the same dq / dkv bits (deterministic dkv)
+    kw = dict(deterministic=True, variant="scratch", chunk_tokens=3)
+    dq, dkv = km.sparse_mla_bwd(q, kv, idx, out, lse, do, dl, 0.3, V, dq_cfg=dict(prefetch_idx=False), **kw)
+    p_dq, p_dkv = km.sparse_mla_bwd(q, kv, idx, out, lse, do, dl, 0.3, V, dq_cfg=dict(prefetch_idx=True), **kw)
+    assert torch.equal(p_dq, dq) and torch.equal(p_dkv, dkv)
+    torch.testing.assert_close(p_dq, r_dq, **TOL)
+    torch.testing.assert_close(p_dkv, r_dkv, **TOL)
 
 
 @pytest.mark.gpu
@@ -224,6 +231,23 @@ def test_gpu_prefetch_idx_bit_identical(N, K):
     out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512, prefetch_idx=False)
     p_out, p_lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512, prefetch_idx=True)
     assert torch.equal(p_out, out) and torch.equal(p_lse, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,stages", [(16, 2), (16, 3), (12, 2)])
+def test_gpu_dq_prefetch_idx_bit_identical(N, stages):
+    """The few-heads scratch dq kernel (one 16-row tile, 4 warps) with prefetch_idx (its default) against
+    without: dq and the deterministic dkv bit for bit; N = 12 masks head rows."""
+    T, S, K = 700, 3072, 2048
+    q, kv, idx = _gpu_case(T, N, S, K)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
+    do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
+    kw = dict(deterministic=True, chunk_tokens=256)
+    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, dq_cfg=dict(prefetch_idx=False), **kw)
+    b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512,
+                          dq_cfg=dict(prefetch_idx=True, num_stages=stages), **kw)
+    assert torch.equal(b[0], a[0]) and torch.equal(b[1], a[1])
 
 
 @needs_triton

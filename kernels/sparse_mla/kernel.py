@@ -195,8 +195,9 @@ def _sparse_mla_bwd_dq_kernel(
     DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr,
-    ASM_STORES: tl.constexpr = False, SPLIT_MMA: tl.constexpr = 0,
+    ASM_STORES: tl.constexpr = False, SPLIT_MMA: tl.constexpr = 0, PREFETCH_IDX: tl.constexpr = False,
 ):
+    """PREFETCH_IDX: as in the forward kernel, index slots loaded one key tile ahead of their gather."""
     pid = split_mma_mark(tl.program_id(0), SPLIT_MMA)  # SPLIT_MMA: S and dP split over warpgroups
     i_t = pid // N_HB + row0  # query token (row0: first token of the chunk in the scratch variant)
     i_h = pid % N_HB
@@ -218,11 +219,16 @@ def _sparse_mla_bwd_dq_kernel(
     b_dqv = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)  # [BLOCK_H, BLOCK_V]
     b_dqr = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)  # [BLOCK_H, BLOCK_R]
     row_s = (i_t - row0).to(tl.int64) * 2 * N + o_h  # [BLOCK_H] dS rows of the scratch (chunk token, head)
-    # (index slots prefetched a tile ahead, as in the forward: 30.4 -> 33.1 ms at N = 64, 61.0 -> 69.2 at
-    # N = 128, T = 16K, H200 session 10: not used here)
+    b_idx_next = _load_idx(idx, i_t, 0, K, BLOCK_K)  # [BLOCK_K] (PREFETCH_IDX)
     for k0 in range(0, K, BLOCK_K):
-        b_kv, b_kr, b_row, m_k, o_k = _gather_kv(kv, idx, i_t, k0, K, DQK, V, R, BLOCK_K, BLOCK_V, BLOCK_R,
-                                                 EVEN, BIG)
+        if PREFETCH_IDX:
+            b_idx = b_idx_next
+            b_idx_next = _load_idx(idx, i_t, k0 + BLOCK_K, K, BLOCK_K)  # -1 past the row: no gather
+            b_kv, b_kr, b_row, m_k = _gather_rows(kv, b_idx, DQK, V, R, BLOCK_V, BLOCK_R, EVEN, BIG)
+            o_k = k0 + tl.arange(0, BLOCK_K)
+        else:
+            b_kv, b_kr, b_row, m_k, o_k = _gather_kv(kv, idx, i_t, k0, K, DQK, V, R, BLOCK_K, BLOCK_V, BLOCK_R,
+                                                     EVEN, BIG)
         b_s = _mac(b_qr, tl.trans(b_kr), _dot(b_qv, tl.trans(b_kv), IEEE), IEEE)  # [BLOCK_H, BLOCK_K]
         b_p = tl.exp2(b_s * scale_log2 - b_lse[:, None])
         b_p = tl.where(m_k[None, :], b_p, 0.0)  # [BLOCK_H, BLOCK_K]
@@ -537,6 +543,9 @@ SCRATCH_GROUP_ONE_BLOCK = 8
 # its dq kernel with at most 16 heads (one 16-row M tile): 4 warps, 12.1 ms vs 23.8 with 8 at N = 16;
 # 8 warps above (N = 128: 117.6 vs 138.5 ms with 4)
 FEW_HEADS, BWD_DQ_WARPS_FEW_HEADS = 16, 4
+# dq_cfg prefetch_idx (default: on for the few-heads dq kernel only): index slots a key tile ahead of their
+# gather, as in the forward. With 64-head tiles (8 warps, split) it was slower on the H200 (session 10,
+# T = 16K: N = 64 30.4 -> 33.1 ms, N = 128 61.0 -> 69.2)
 # Scratch budget of the "scratch" variant: P and dS for a chunk of tokens, 2 x [chunk, N, k] in q's dtype.
 # 256 MiB = 256 tokens at N = 128, k = 2048 (bf16); never O(T).
 SCRATCH_BYTES = 256 << 20
@@ -649,6 +658,7 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     dq_launch = dict(BLOCK_H=bh, BLOCK_K=16 if interp else c1["block_k"], HAS_DLSE=dlse is not None, **meta,
                      ASM_STORES=bool(c1.get("asm_stores")) and not interp,
                      SPLIT_MMA=split_flag(bool(c1.get("split_mma")), interp, bh, c1["num_warps"]),
+                     PREFETCH_IDX=bool(c1.get("prefetch_idx", bh <= FEW_HEADS)),
                      num_warps=c1["num_warps"], num_stages=c1["num_stages"])
     if variant == "scratch":
         return _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta, deterministic,
