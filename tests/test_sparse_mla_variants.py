@@ -276,6 +276,11 @@ def test_scratch_dkv_group_matches(group, deterministic, with_target):
         torch.testing.assert_close(got[1][2], got[0][2], rtol=1e-6, atol=1e-6)
 
 
+def test_fwd_prefetch_default_by_head_block():
+    assert km.fwd_prefetch(None, 64) and not km.fwd_prefetch(None, 16)
+    assert km.fwd_prefetch(True, 16) and not km.fwd_prefetch(False, 64)
+
+
 def test_scratch_group_errors():
     assert km.scratch_group(4, 16, 16) == 4 and km.scratch_group(1, 128, 16) == 1
     assert km.scratch_group(None, 16, 16) == km.SCRATCH_GROUP_ONE_BLOCK and km.scratch_group(None, 17, 16) == 1

@@ -514,12 +514,14 @@ def _block_h(N: int, block_h=None, cap: int = 64) -> int:
 # (2026-12-02, T = 16K, N = 128, k = 2048; bench/results/sparse_attn.csv, bench/NOTES_sparse_mla.md):
 # fwd BLOCK_K 64: 36.0 ms (260 TFLOP/s) vs 32: 50.4 ms (185), although ptxas reports 20 B of spills
 # for 64x64; bwd split dq32 + dkv32x32: 276 ms vs fused 32x16: 346 ms, dkv32x64: 1286 ms, dq16: 346 ms.
-FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=True, prefetch_idx=True)
+FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=True, prefetch_idx=None)
 # prefetch_idx: the index slots of key tile i + 1 are loaded during tile i (loop-carried), so the pipelined
 # gather of the next tile is issued without first waiting on a synchronous index load (sm_90a TTGIR: before,
 # a tt.load of the indices sat in front of the async copies every iteration). H200, T = 64K (session 10,
 # bench/sparse_attn.py --sweep-only, one process): N = 64 62.2 -> 52.2 ms (300 -> 358 TFLOP/s), N = 128
-# 110.4 -> 108.9 ms; bit-identical output.
+# 110.4 -> 108.9 ms; bit-identical output. None: on for head blocks of more than FEW_HEADS rows only; with
+# one 16-row block (N <= 16) the prefetching forward measured 46.9 ms at 64K (11.5 at 16K) against 34.8
+# (9.2) without it (session 9 vs 10 tables).
 BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2, split_mma=True)
 # split_mma: the chained QK^T / dO V^T tiles split over the two warpgroups instead of both computing all
 # of them (kernels/_split_mma.py); sm_90a compile, 64 heads x 64 keys fwd: 72 -> 36 QK^T wgmma per key tile,
@@ -571,9 +573,14 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None,
         q, kv, idx, out, lse, softmax_scale * LOG2E, N, n_hb, BLOCK_H=bh,
         BLOCK_K=16 if interp else (block_k or FWD_CFG["block_k"]), **meta,
         SPLIT_MMA=split_flag(FWD_CFG["split_mma"] if split_mma is None else split_mma, interp, bh, nw),
-        PREFETCH_IDX=bool(FWD_CFG["prefetch_idx"] if prefetch_idx is None else prefetch_idx),
+        PREFETCH_IDX=fwd_prefetch(FWD_CFG["prefetch_idx"] if prefetch_idx is None else prefetch_idx, bh),
         num_warps=nw, num_stages=num_stages or FWD_CFG["num_stages"])
     return out, lse
+
+
+def fwd_prefetch(prefetch_idx, block_h: int) -> bool:
+    """The forward's PREFETCH_IDX: as given, or (None) on for head blocks of more than FEW_HEADS rows."""
+    return bool(block_h > FEW_HEADS) if prefetch_idx is None else bool(prefetch_idx)
 
 
 def check_bwd_variant(variant, chunk_tokens, split=None, where="sparse_mla_bwd", names=("variant", "chunk_tokens")):
