@@ -22,11 +22,11 @@ case " $STEPS " in *" tests "*)
     | grep -E "passed|failed|FAILED|ERROR|Error|assert|[0-9]s (call|setup)" | tail -20;;
 esac
 # topk: HyTopK's exact variants checked bit for bit against the default, then the 64K config sweep
-# (session 6 defaults: append mask, search_bits 2; bench/NOTES_hytopk.md)
+# (defaults: append mask, early-stopping 2-bit select, warm start 1024; bench/NOTES_hytopk.md)
 case " $STEPS " in *" topk "*)
   echo "== topk check + sweep ($(date +%T))"
   timeout "${KS_TOPK_TIMEOUT:-420}" python3 bench/topk.py --out "$OUT" --parts check,sweep --check-specs "${KS_TOPK_CHECK_SPECS:-0,1,2,4}" \
-    --check-variants '{"early_select":true};{"append":"tile"};{"search_bits":1};{"append":"tile","search_bits":1};{"warm_start":0}' \
+    --check-variants '{"warm_start":512};{"append":"tile"};{"search_bits":1};{"append":"tile","search_bits":1};{"warm_start":0}' \
     --sweep-S "${KS_TOPK_S:-65536}" --sweep-cfgs "${KS_TOPK_CFGS:-0,1,2,4,10}" --sweep-heads "${KS_TOPK_HEADS:-64}" --budget-s "${KS_TOPK_BUDGET:-380}" 2>&1 | grep -v -i warn | grep -E "check|SWEEP|BEST|GPU" | tail -40;;
 esac
 case " $STEPS " in *" parts "*)

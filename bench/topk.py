@@ -61,7 +61,7 @@ p.add_argument("--sweep-heads", default="64,4",
 p.add_argument("--check-specs", default=None, help="check only these spec numbers (comma list, 0-based)")
 p.add_argument("--check-variants", default=None,
                help="';'-separated json Config overrides compared bit for bit to the default in the check "
-                    "(default: warm start off / 1024, append tile, search_bits 1); skips the reference row check")
+                    "(default: warm start off / 512, append tile, search_bits 1); skips the reference row check")
 p.add_argument("--config", default=None, help="json Config fields for every HyTopK/floor call")
 p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (script check)")
 p.add_argument("--resources", action="store_true",
@@ -138,10 +138,10 @@ def resources(cfgs, H=64, D=128, kk=2048):
             print(f"#{i} {cfg}: compile failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
 
-if args.resources:  # the default launch (append mask, 2-bit select, warm start 512), warm start off, a larger
-    # sample, the prefix-sum append, 1-bit select, and the no-selection floor
+if args.resources:  # the default launch (append mask, 2-bit select, warm start 1024), warm start off, the
+    # session-9 sample (512), the prefix-sum append, 1-bit select, and the no-selection floor
     _base = Config()
-    resources([_base, replace(_base, warm_start=0), replace(_base, warm_start=1024), replace(_base, append="tile"),
+    resources([_base, replace(_base, warm_start=0), replace(_base, warm_start=512), replace(_base, append="tile"),
                replace(_base, search_bits=1), replace(_base, append="tile", search_bits=1), ("floor", _base)])
     sys.exit(0)
 
@@ -339,9 +339,9 @@ def _scores_at(q, w, k, idx, relu):
 
 
 def variant_cfgs(base):
-    """Exact variants the check compares bit for bit to the default: warm start off / larger, the
-    prefix-sum append and the 1-bit select (the defaults before session 6)."""
-    return [replace(base, warm_start=0), replace(base, warm_start=1024), replace(base, append="tile"),
+    """Exact variants the check compares bit for bit to the default: warm start off / 512 (the default
+    before session 10), the prefix-sum append and the 1-bit select (the defaults before session 6)."""
+    return [replace(base, warm_start=0), replace(base, warm_start=512), replace(base, append="tile"),
             replace(base, search_bits=1)]
 
 
@@ -418,7 +418,7 @@ if "check" in args.parts:
 # (2) config sweep
 # ------------------------------------------------------------------------------------------
 _D = Config()  # the default launch (session 6: append "mask", search_bits 2, warm start 512; s. 7: 3 stages;
-# s. 9: lane_rows)
+# s. 9: lane_rows; s. 10: the early-stopping 2-bit select replaced the full one, warm start 1024)
 SWEEP = [
     _D,
     replace(_D, num_warps=8, num_stages=3, programs_per_sm=1),
@@ -426,7 +426,7 @@ SWEEP = [
     replace(_D, block_n=128, rows_x_heads=128, num_warps=8, programs_per_sm=1, append="tile"),
     replace(_D, num_stages=2),  # cfg4: the default before session 7
     replace(_D, warm_start=0),
-    replace(_D, warm_start=1024),
+    replace(_D, warm_start=512),  # cfg6: the warm start before session 10 (until then: 1024, a larger sample)
     replace(_D, append="tile"),  # cfg7: the prefix-sum append
     replace(_D, search_bits=1),  # cfg8: the 1-bit select
     replace(_D, append="tile", search_bits=1),  # cfg9: the default before session 6
@@ -438,11 +438,11 @@ SWEEP = [
     replace(_D, min_free_tiles=2),  # cfg13: compact later (fewer, fuller compactions)
     replace(_D, warm_start=256),  # cfg14: a cheaper warm-start sample
     replace(_D, num_stages=4),  # cfg15
-    replace(_D, early_select=True),  # cfg16 (session 9, untimed): radix select stops rows early (~11 of 17
-    # passes on simulated 64K candidate sets), no separate count pass, no tie scan without excess ties
-    replace(_D, early_select=True, warm_start=1024),  # cfg17 (session 10): a tighter sampled threshold (64K rows
-    # keep ~3.1K candidates instead of ~4.2K: no compaction before the final select)
-    replace(_D, early_select=True, warm_start=2048),  # cfg18
+    replace(_D, warm_start=512),  # cfg16 (= cfg6): session 10 timed the early-stopping 2-bit select here (then
+    # opt-in; ~11 of 17 passes on simulated 64K candidate sets): H 64 75.25 -> 74.54 ms vs the full 2-bit search
+    replace(_D, warm_start=2048),  # cfg17: a still larger sample (1024, the default since session 10, keeps
+    # ~3.1K candidates per 64K row instead of ~4.2K at 512: no compaction before the final select)
+    replace(_D, search_bits=1, warm_start=512),  # cfg18: the 1-bit full search at the session-9 warm start
 ]
 BEST = {}
 if "sweep" in args.parts:
@@ -462,16 +462,16 @@ if "sweep" in args.parts:
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=128), SWEEP[2], SWEEP[1],
                      replace(SWEEP[0], rows_x_heads=128, num_stages=4),  # cfg2 (128, 3 stages): default since s. 7
                      replace(SWEEP[0], rows_x_heads=128, lane_rows=False),  # cfg5: before session 9
-                     replace(SWEEP[0], rows_x_heads=128, early_select=True),  # cfg6: untimed
-                     replace(SWEEP[0], rows_x_heads=128, early_select=True, warm_start=1024)]  # cfg7
+                     replace(SWEEP[0], rows_x_heads=128, warm_start=512),  # cfg6: warm start before s. 10
+                     replace(SWEEP[0], rows_x_heads=128, warm_start=2048)]  # cfg7
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],
                      SWEEP[5], SWEEP[7], SWEEP[8],  # cfg2 (32): default since s. 7
                      replace(SWEEP[0], rows_x_heads=32, num_stages=3), replace(SWEEP[0], rows_x_heads=16),
                      replace(SWEEP[0], rows_x_heads=32, lane_rows=False),  # cfg9: before session 9
-                     replace(SWEEP[0], rows_x_heads=32, early_select=True),  # cfg10: untimed
-                     replace(SWEEP[0], rows_x_heads=32, early_select=True, warm_start=1024)]  # cfg11
+                     replace(SWEEP[0], rows_x_heads=32, warm_start=512),  # cfg10: warm start before s. 10
+                     replace(SWEEP[0], rows_x_heads=32, warm_start=2048)]  # cfg11 (k 512: capped at CAP 1024)
         if args.smoke:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
                      replace(default_config(H, kk, interpret=True), append="tile")]

@@ -1,8 +1,9 @@
-"""HyTopK's early-stopping radix select (Config.early_select) against the reference and the full search.
+"""HyTopK's 2-bit radix select (Config.search_bits=2, `_kth_key2`: it stops rows early) against the
+reference and the 1-bit full search (search_bits=1, `_kth_key`).
 
-The select stops a row once its prefix bucket's lower bound L has exactly k keys at or above it; the
-row then keeps {keys >= L}. It also takes the count above the k-th key from its own passes and skips the
-tie-ranking scan when no row has more keys equal to its k-th than fit. Cases: random scores (rows stop
+The 2-bit select stops a row once its prefix bucket's lower bound L has exactly k keys at or above it;
+the row then keeps {keys >= L}. It also takes the count above the k-th key from its own passes and skips
+the tie-ranking scan when no row has more keys equal to its k-th than fit. Cases: random scores (rows stop
 early at different bits), near-ties at every low-bit pattern and exact ties straddling the boundary
 (rows must run all 32 bits and rank their ties: lowest index wins), ReLU zeros, negative scores,
 compactions (small buffers), rows with fewer than k visible keys, a fully masked row, the warm start.
@@ -24,22 +25,22 @@ INTERP = interpreter_active()
 interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
 
 
-def _cfg(H, early, warm=0, append="mask", rows=2):
+def _cfg(H, search_bits, warm=0, append="mask", rows=2):
     return Config(block_n=16, rows_x_heads=rows * H, num_warps=1, num_stages=1, programs_per_sm=1,
-                  min_free_tiles=1, sel_chunk=64, search_bits=2, warm_start=warm, append=append,
-                  early_select=early, lane_rows=rows % 4 == 0)
+                  min_free_tiles=1, sel_chunk=64, search_bits=search_bits, warm_start=warm, append=append,
+                  lane_rows=rows % 4 == 0)
 
 
 def _both(q, w, k, st, en, topk, relu, H, warm=0, append="mask", rows=2):
-    """(early, full) results: indices and scores."""
+    """(2-bit, 1-bit) results: indices and scores."""
     return [hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True,
-                   config=_cfg(H, e, warm, append, rows)) for e in (True, False)]
+                   config=_cfg(H, b, warm, append, rows)) for b in (2, 1)]
 
 
 @interp
 @pytest.mark.parametrize("warm", [0, 64], ids=["cold", "warm"])
 @pytest.mark.parametrize("relu,rows", [(False, 2), (True, 2), (True, 4)], ids=["id-2rows", "relu-2rows", "relu-4rows"])
-def test_early_select_random_and_masked_rows(relu, rows, warm):
+def test_search2_random_and_masked_rows(relu, rows, warm):
     """rows = 4: four rows per program with the default lane_rows column order, as compiled launches have."""
     T, S, H, topk = 21, 300, 4, 12
     g = torch.Generator().manual_seed(3 + warm)
@@ -50,14 +51,14 @@ def test_early_select_random_and_masked_rows(relu, rows, warm):
     st[6], en[6] = 100, 107  # fewer than k visible keys
     (ei, ev), (fi, fv) = _both(q, w, k, st, en, topk, relu, H, warm, rows=rows)
     assert_same_selection(q, w, k, st, en, topk, relu, ei, ev)
-    assert torch.equal(ei, fi) and torch.equal(ev, fv), "early select differs from the full search"
+    assert torch.equal(ei, fi) and torch.equal(ev, fv), "2-bit select differs from the 1-bit search"
     assert torch.equal(ei[4], torch.full((topk,), -1, dtype=ei.dtype))
     assert (ei[6] >= 0).sum() == 7
 
 
 @interp
 @pytest.mark.parametrize("spread", [2, 4, 8, 64])
-def test_early_select_near_and_exact_ties(spread):
+def test_search2_near_and_exact_ties(spread):
     """Scores drawn from `spread` consecutive floats: with 2 or 4 values most of a row ties with its k-th key
     (rows run all bits and rank their ties), with 64 rows stop early; the lowest indices win the ties."""
     T, S, H, topk = 12, 160, 4, 9
@@ -69,13 +70,13 @@ def test_early_select_near_and_exact_ties(spread):
     ref = hytopk_reference(q, w, k, st, en, topk, relu=False)
     (ei, ev), (fi, fv) = _both(q, w, k, st, en, topk, False, H)
     for t in range(T):
-        assert sorted(ei[t].tolist()) == sorted(ref[t].tolist()), f"row {t}: early select set differs"
+        assert sorted(ei[t].tolist()) == sorted(ref[t].tolist()), f"row {t}: 2-bit select set differs"
     assert torch.equal(ei, fi) and torch.equal(ev, fv)
 
 
 @interp
 @pytest.mark.parametrize("append", ["mask", "tile"])
-def test_early_select_relu_zero_ties_with_compactions(append):
+def test_search2_relu_zero_ties_with_compactions(append):
     """ReLU zeros tie at the boundary for every other row, and T x S is large enough for several
     compactions per row (buffer of 64 slots for k = 12)."""
     T, S, H, topk = 16, 400, 2, 12
@@ -87,16 +88,6 @@ def test_early_select_relu_zero_ties_with_compactions(append):
     (ei, ev), (fi, fv) = _both(q, w, k, st, en, topk, True, H, append=append)
     assert_same_selection(q, w, k, st, en, topk, True, ei, ev)
     assert torch.equal(ei, fi) and torch.equal(ev, fv)
-
-
-def test_early_select_needs_search_bits_2():
-    T, S, H = 4, 8, 2
-    q, w, k = torch.randn(T, H, 32), torch.randn(T, H), torch.randn(S, 32)
-    st, en = causal_bounds(T, S)
-    bad = Config(block_n=16, rows_x_heads=2 * H, num_warps=1, num_stages=1, programs_per_sm=1,
-                 min_free_tiles=1, sel_chunk=64, search_bits=1, early_select=True)
-    with pytest.raises(ValueError, match="early_select needs search_bits=2"):
-        hytopk(q, w, k, st, en, 4, config=bad)
 
 
 _COMPILE = r"""
@@ -114,8 +105,8 @@ sig = dict(q_ptr="*bf16", w_ptr="*bf16", k_ptr="*bf16", starts_ptr="*i32", ends_
            kk="i32", n_blocks="i32", n_p="i32")
 attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
 H, D, kk = 64, 128, 2048
-for early in (False, True):
-    cfg = Config(early_select=early)
+for bits in (1, 2):
+    cfg = Config(search_bits=bits)
     const = op.kernel_constexprs(cfg, H, D, kk, select=True, relu=True, write_scores=True, ieee=False,
                                  interp=False)
     k = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const, attrs),
@@ -127,28 +118,29 @@ for early in (False, True):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     stack = int(re.search(r"(\d+) bytes stack frame", r.stderr).group(1))
-    print(f"early={early} stack={stack}")
+    print(f"bits={bits} stack={stack}")
 """
 
 
 @pytest.mark.slow
-def test_early_select_compiles_for_sm90():
+def test_search2_compiles_for_sm90():
     """The compiled path (a while loop over the passes, the buffer held in registers) is not what the
-    interpreter runs: it must build for sm_90a, without growing the kernel's spills by more than 64 B
-    (the key loop shares those registers)."""
+    interpreter runs: it must build for sm_90a (default launch, H 64, k 2048), its stack frame within
+    64 B of the 1-bit search's (the key loop shares those registers; session 10: 376 vs 320 B, the
+    replaced full 2-bit search 392)."""
     out = compile_sm90_in_subprocess(_COMPILE)
-    stack = {m[0]: int(m[1]) for m in __import__("re").findall(r"early=(\w+) stack=(\d+)", out)}
-    assert set(stack) == {"False", "True"}, out
-    assert stack["True"] <= stack["False"] + 64, stack
+    stack = {m[0]: int(m[1]) for m in __import__("re").findall(r"bits=(\d) stack=(\d+)", out)}
+    assert set(stack) == {"1", "2"}, out
+    assert stack["2"] <= stack["1"] + 64, stack
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T,S,H,topk,relu", [(12288, 12288, 64, 2048, True), (9000, 9000, 32, 2048, False),
                                              (4096, 4096, 64, 512, True)])
-def test_gpu_early_select_bit_identical(T, S, H, topk, relu):
+def test_gpu_search2_bit_identical(T, S, H, topk, relu):
     """Real shapes in bf16 (compactions and the warm start included): the same indices and scores as the
-    full search, deterministic, and the reference's sets on sampled rows."""
+    1-bit full search, deterministic, and the reference's sets on sampled rows."""
     from dataclasses import replace
 
     from hyscale_kernels.hytopk.op import default_config
@@ -157,14 +149,15 @@ def test_gpu_early_select_bit_identical(T, S, H, topk, relu):
     q, w, k = _inputs(T, S, H, D=128, seed=T, dtype=torch.bfloat16, device="cuda", w_sign=not relu)
     st, en = causal_bounds(T, S, offset=S - T, device="cuda")
     cfg = default_config(H, topk)
-    full = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=replace(cfg, early_select=False))
-    early = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=replace(cfg, early_select=True))
-    assert torch.equal(early[0], full[0]) and torch.equal(early[1], full[1])
-    again = hytopk(q, w, k, st, en, topk, relu=relu, config=replace(cfg, early_select=True))
-    assert torch.equal(again, early[0])
+    assert cfg.search_bits == 2
+    one = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=replace(cfg, search_bits=1))
+    two = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=cfg)
+    assert torch.equal(two[0], one[0]) and torch.equal(two[1], one[1])
+    again = hytopk(q, w, k, st, en, topk, relu=relu, config=cfg)
+    assert torch.equal(again, two[0])
     rows = torch.cat([torch.arange(0, T, max(1, T // 40)), torch.arange(T - 4, T)]).cuda()
     assert_same_selection(q[rows].float(), w[rows].float(), k.float(), st[rows], en[rows], topk, relu,
-                          early[0][rows], early[1][rows], tol=1e-5)
+                          two[0][rows], two[1][rows], tol=1e-5)
 
 
 def test_interpreter_in_subprocess():

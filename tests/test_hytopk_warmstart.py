@@ -184,7 +184,8 @@ def test_sample_size_rounding_and_small_rows_off():
     assert op._warm_geometry(64, 32, Config(warm_start=40)) == (64, 32)
     assert op._warm_geometry(64, 32, Config(warm_start=4096)) == (64, 32)
     assert op._warm_geometry(4096, 512, Config(warm_start=1000)) == (1024, 512)
-    assert op._warm_geometry(4096, 512, Config()) == (512, 512)  # the default: 512 samples
+    assert op._warm_geometry(4096, 512, Config()) == (1024, 512)  # the default: 1024 samples (k 2048)
+    assert op._warm_geometry(1024, 256, Config()) == (1024, 256)  # k 512: CAP = 1024 samples
     assert op._warm_geometry(4096, 512, Config(warm_start=0)) == (0, 1)
     T, S, H = 7, 60, 2
     q, w, k = _inputs(T, S, H, seed=4)
@@ -229,4 +230,4 @@ def test_config_checks_name_the_field():
         op.check_config(Config(search_bits=3), interpret=True)
     with pytest.raises(ValueError, match="warm_start must be >= 0"):
         op.check_config(Config(warm_start=-1), interpret=True)
-    assert Config().warm_start == 512  # the measured default
+    assert Config().warm_start == 1024  # the measured default (session 10)

@@ -11,8 +11,9 @@ One persistent program owns ``R`` query rows at a time (a "row block") for the w
   if it beats the row's running threshold. Keys are visited in ascending index order, so a
   later key that *ties* the threshold loses to the ``topk`` earlier ones: the test is strict.
   Positions come from a prefix sum, so the buffer stays in ascending key-index order;
-* compaction: when a tile could overflow a row's buffer, an exact radix select (32 one-bit
-  counting passes over the buffer held in registers) finds each full row's k-th key; the row
+* compaction: when a tile could overflow a row's buffer, an exact radix select (two bits per
+  counting pass over the buffer held in registers, rows stopping as soon as their top ``topk``
+  are known; Config.search_bits=1: 32 one-bit passes) finds each full row's k-th key; the row
   keeps exactly ``topk`` entries (ties to the lowest index) and the threshold rises to it;
 * output: the same select writes the final ``topk`` (ascending key index, -1 padded).
 
@@ -80,71 +81,34 @@ def _kth_key(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: 
 
 
 @triton.jit
-def _count_ge3(key_rows, cnt, b1, b2, b3, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
-    """Per row: how many of its cnt buffered keys are >= b1, >= b2, >= b3 (each [R]).
+def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr):
+    """Radix select of each row's top kk buffered keys, two bits per pass (16 passes at most).
 
-    The chunk loop is unrolled so that all of a pass's loads are in flight together (the
-    buffer sits in L2: one latency per pass, not one per chunk).
-    """
-    c1 = tl.zeros([R, CHUNK], dtype=tl.int32)  # [R, CHUNK] partial counts
-    c2 = tl.zeros([R, CHUNK], dtype=tl.int32)
-    c3 = tl.zeros([R, CHUNK], dtype=tl.int32)
-    for i_c in tl.static_range(0, CAP, CHUNK):
-        o_cc = i_c + o_h  # [CHUNK]
-        m_v = o_cc[None, :] < cnt[:, None]  # [R, CHUNK]
-        b_k = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=INT32_MIN)  # [R, CHUNK]
-        c1 += (b_k >= b1[:, None]).to(tl.int32)
-        c2 += (b_k >= b2[:, None]).to(tl.int32)
-        c3 += (b_k >= b3[:, None]).to(tl.int32)
-    return tl.sum(c1, axis=1), tl.sum(c2, axis=1), tl.sum(c3, axis=1)
-
-
-@triton.jit
-def _kth_key2(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
-    """_kth_key with two bits per pass (16 passes instead of 32) over unrolled chunks.
-
-    Radix select two bits per pass from the top, in the biased (unsigned-order) domain: keep
-    the largest prefix with at least kk keys >= it. Padding (INT32_MIN) never counts: every
-    candidate bound is above it. (Until session 5 the passes stopped at bits (3, 2) and a last
-    pass decided bit 0 only: bit 1 was never set, the cause of the H200 mismatch;
-    tests/test_hytopk_search2.py.)
-    """
-    pre = tl.zeros_like(cnt)  # [R] biased prefix
-    one = tl.full([R], 1, dtype=tl.int32)  # int32 shifts: bit 31 wraps to INT32_MIN, as meant
-    for i_b in range(30, -1, -2):  # bits (i_b + 1, i_b): (31, 30) ... (1, 0), all 32
-        a1 = pre | (one << i_b)
-        a2 = pre | ((one << i_b) << 1)
-        a3 = a2 | a1
-        n1, n2, n3 = _count_ge3(key_rows, cnt, a1 ^ INT32_MIN, a2 ^ INT32_MIN, a3 ^ INT32_MIN, o_h,
-                                R, CAP, CHUNK)
-        pre = tl.where(n3 >= kk, a3, tl.where(n2 >= kk, a2, tl.where(n1 >= kk, a1, pre)))
-    return pre ^ INT32_MIN
-
-
-@triton.jit
-def _kth_key2_early(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr):
-    """_kth_key2 that stops a row once the lower bound L of its prefix bucket has exactly kk keys at or
-    above it: the row's top kk are then {keys >= L} whatever the lower bits (Config.early_select).
+    Two bits per pass from the top, in the biased (unsigned-order) domain: keep the largest prefix
+    with at least kk keys >= it. Padding (INT32_MIN) never counts: every candidate bound is above
+    it. A row stops early once the lower bound L of its prefix bucket has exactly kk keys at or
+    above it: its top kk are then {keys >= L}, whatever the lower bits. A row that never stops
+    decides all 32 bits (until session 5 the passes ended at bits (3, 2) plus a pass for bit 0
+    only: bit 1 was never set, the cause of an H200 mismatch; tests/test_hytopk_search2.py).
 
     Returns (kth [R], n_gt [R], rank [R] bool): the row's top kk are its keys > kth plus its first
     kk - n_gt keys equal to kth (buffer order); ``rank`` marks rows where more keys equal kth than
     fit (only those need the tie ranking). Stopped rows: kth = L - 1, n_gt = kk. Rows with
-    cnt <= kk are left unspecified (the caller keeps all their keys). The counts that _kth_key2
-    throws away give n_gt, so the extra counting pass of the full search is not needed either.
+    cnt <= kk are left unspecified (the caller keeps all their keys). n_gt comes from the passes'
+    own counts: no extra counting pass.
     """
     pre = tl.zeros_like(cnt)  # [R] biased prefix
     c_lo = cnt  # [R] keys >= the bucket's lower bound (every buffered key for the empty prefix)
     c_hi = tl.zeros_like(cnt)  # [R] keys >= the bucket's upper bound (none above the full range)
-    one = tl.full([R], 1, dtype=tl.int32)
+    one = tl.full([R], 1, dtype=tl.int32)  # int32 shifts: bit 31 wraps to INT32_MIN, as meant
     done = cnt <= kk
     n_open = tl.sum((~done).to(tl.int32), axis=0)
-    # the buffer read once into registers (the full search gets the same from the compiler hoisting its
-    # loads out of a fixed-trip loop; a while loop would reload it from L2 every pass)
+    # the buffer read once into registers (a while loop would otherwise reload it from L2 every pass)
     o_all = tl.arange(0, CAP)  # [CAP]
     b_keys = tl.load(key_rows[:, None] + o_all[None, :], mask=o_all[None, :] < cnt[:, None],
                      other=INT32_MIN)  # [R, CAP]
     i_b = 30
-    while (n_open > 0) & (i_b >= 0):  # bits (i_b + 1, i_b), as in _kth_key2
+    while (n_open > 0) & (i_b >= 0):  # bits (i_b + 1, i_b): (31, 30) ... (1, 0), all 32
         a1 = pre | (one << i_b)
         a2 = pre | ((one << i_b) << 1)
         a3 = a2 | a1
@@ -174,7 +138,7 @@ def _kth_key2_early(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr):
 @triton.jit
 def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                   FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr,
-                  CHUNK: tl.constexpr, SEARCH2: tl.constexpr, EARLY: tl.constexpr):
+                  CHUNK: tl.constexpr, SEARCH2: tl.constexpr):
     """Keep each row's exact top-kk of its buffer (all of it where cnt <= kk), stably.
 
     key_rows/idx_rows: [R] pointers to the rows' buffers. dst_*: [R] row pointers of the
@@ -185,17 +149,14 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     need = cnt > kk  # [R]
     kth = tl.full([R], INT32_MIN, dtype=tl.int32)
     n_eq = tl.full([R], CAP, dtype=tl.int32)  # keys equal to kth still to keep
-    n_rank = 0  # EARLY: rows whose keys equal to kth must be ranked (more of them than fit)
+    n_rank = 0  # SEARCH2: rows whose keys equal to kth must be ranked (more of them than fit)
     if tl.max(cnt, axis=0) > kk:
-        if EARLY:
-            kth_e, n_gt, rank = _kth_key2_early(key_rows, cnt, kk, R, CAP)
-            kth = tl.where(need, kth_e, INT32_MIN)
+        if SEARCH2:
+            kth_2, n_gt, rank = _kth_key2(key_rows, cnt, kk, R, CAP)
+            kth = tl.where(need, kth_2, INT32_MIN)
             n_rank = tl.sum((need & rank).to(tl.int32), axis=0)
         else:
-            if SEARCH2:
-                kth = tl.where(need, _kth_key2(key_rows, cnt, kk, o_h, R, CAP, CHUNK), INT32_MIN)
-            else:
-                kth = tl.where(need, _kth_key(key_rows, cnt, kk, o_h, R, CAP, CHUNK), INT32_MIN)
+            kth = tl.where(need, _kth_key(key_rows, cnt, kk, o_h, R, CAP, CHUNK), INT32_MIN)
             n_gt = _count_ge(key_rows, cnt, kth + 1, o_h, R, CAP, CHUNK)  # kth < INT32_MAX always
         n_eq = tl.where(need, kk - n_gt, CAP)
     # stable rewrite, chunk by chunk: an entry only moves down, past chunks already read
@@ -207,7 +168,7 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
         b_k = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=INT32_MIN)  # [R, CHUNK]
         b_i = tl.load(idx_rows[:, None] + o_cc[None, :], mask=m_v, other=-1)  # [R, CHUNK]
         m_eq = (b_k == kth[:, None]) & m_v
-        if EARLY:
+        if SEARCH2:
             if n_rank > 0:
                 r_eq = eq_seen[:, None] + tl.cumsum(m_eq.to(tl.int32), axis=1)  # [R, CHUNK] 1-based rank
                 m_take = m_eq & (r_eq <= n_eq[:, None])
@@ -390,8 +351,7 @@ def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n,
 def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n, o_d, m_d,
                     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
                     WARM: tl.constexpr, CHUNK_W: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr,
-                    RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr, LANE_ROWS: tl.constexpr,
-                    EARLY: tl.constexpr):
+                    RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr, LANE_ROWS: tl.constexpr):
     """Each row's starting threshold key tau [R] (INT32_MIN: no warm start for that row).
 
     Only run when some row sees more than CAP keys (fewer never compact), so hi - lo > CAP >=
@@ -403,9 +363,9 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
     Used where n > CAP, m >= WARM_MIN and 2 j <= m (the threshold cuts at least half the keys).
 
     Returns tau = (j-th largest sample key) - 1, so the key loop's strict ``key > tau`` takes keys
-    >= the sample quantile (ties with it included). EARLY: a row whose search stops early (exactly j
-    sample keys >= its bucket bound L) gets tau = L - 2 <= the j-th key - 1: a few more candidates,
-    the same argument.
+    >= the sample quantile (ties with it included). SEARCH2: a row whose 2-bit search stops early
+    (exactly j sample keys >= its bucket bound L) gets tau = L - 2 <= the j-th key - 1: a few more
+    candidates, the same argument.
 
     Exactness and ties: the key loop then appends keys strictly above tau. If at least topk
     visible keys are > tau, the row's topk-th largest key v satisfies v > tau, so every key >= v
@@ -426,13 +386,11 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
     j = (mu + WARM_Z * tl.sqrt(tl.maximum(mu * (1.0 - p0), 0.0))).to(tl.int32) + 1  # [R]
     on = (n_vis > CAP) & (m_smp >= WARM_MIN) & (2 * j <= m_smp)
     j = tl.where(on, j, 1)
-    o_hw = tl.arange(0, CHUNK_W)
     n_smp = tl.full([R], WARM, dtype=tl.int32)
-    if EARLY:
-        tau, _, _ = _kth_key2_early(key_rows, n_smp, j, R, WARM)
-    elif SEARCH2:
-        tau = _kth_key2(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W)
+    if SEARCH2:
+        tau, _, _ = _kth_key2(key_rows, n_smp, j, R, WARM)
     else:
+        o_hw = tl.arange(0, CHUNK_W)
         tau = _kth_key(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W)
     tl.debug_barrier()  # select done reading before the key loop overwrites the slots
     # tau - 1: keys tied with the j-th sample key pass too (a sample value repeated across
@@ -461,7 +419,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
               o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
-              APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, EARLY: tl.constexpr):
+              APPEND: tl.constexpr, LANE_ROWS: tl.constexpr):
     """The row block's key loop (all its tiles, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask)."""
@@ -474,7 +432,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
             if CAP - tl.max(cnt, axis=0) < MIN_FREE:
                 tl.debug_barrier()  # appends of earlier tiles visible to all threads
                 kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
-                                    False, False, R, CAP, CHUNK, SEARCH2, EARLY)
+                                    False, False, R, CAP, CHUNK, SEARCH2)
                 thr = tl.maximum(thr, kth)
                 cnt = tl.minimum(cnt, kk)
             n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
@@ -506,7 +464,7 @@ def hytopk_kernel(
     RELU: tl.constexpr, SELECT: tl.constexpr, WRITE_SCORES: tl.constexpr, IEEE: tl.constexpr,
     WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
     WARM: tl.constexpr = 0, CHUNK_W: tl.constexpr = 1, WARM_Z: tl.constexpr = 4.0, WARM_MIN: tl.constexpr = 16,
-    APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False, EARLY: tl.constexpr = False,
+    APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False,
 ):
     i_p = tl.program_id(0)
     RH: tl.constexpr = R * H
@@ -546,7 +504,7 @@ def hytopk_kernel(
             if tl.max(tl.where(m_live, b_end - b_start, 0), axis=0) > CAP:
                 thr = _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n,
                                       o_d, m_d, H, D, R, BLOCK_N, CAP, WARM, CHUNK_W, WARM_Z, WARM_MIN,
-                                      RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS, EARLY=EARLY)
+                                      RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS)
             on = thr > INT32_MIN  # [R] rows started from a sampled threshold
             n_on = tl.sum(on.to(tl.int32), axis=0)
             n_fail = n_on * 0
@@ -556,7 +514,7 @@ def hytopk_kernel(
                 cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                             key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
                                             CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND,
-                                            LANE_ROWS=LANE_ROWS, EARLY=EARLY)
+                                            LANE_ROWS=LANE_ROWS)
                 # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
                 # keep their buffers and append nothing more (no key is > INT32_MAX)
                 fail = on & (cnt < kk)  # [R]; all False after the first pass
@@ -574,13 +532,13 @@ def hytopk_kernel(
             cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
                                         CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND,
-                                        LANE_ROWS=LANE_ROWS, EARLY=EARLY)
+                                        LANE_ROWS=LANE_ROWS)
 
         if SELECT:
             tl.debug_barrier()
             o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
             _select_store(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
-                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, EARLY)
+                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2)
             # -1 / -inf padding after the kept entries
             n_keep = tl.minimum(cnt, kk)  # [R]
             o_h = tl.arange(0, CHUNK)

@@ -41,15 +41,19 @@ class Config:
     cap_mult: int = 2  # candidate slots per row = cap_mult * topk (power of two, >= topk + 2*min free)
     min_free_tiles: int = 4  # compact a row block's buffers when fewer free slots than this many tiles
     sel_chunk: int = 2048  # R * CHUNK elements per step of the select
-    # radix-select bits per counting pass: 2 (16 unrolled passes) or 1 (32). 2 is 1.10x faster at 64K on
-    # the H200 (H_I 64, k 2048: 117.1 -> 106.5 ms with append "tile"; 104.5 -> 99.1 ms with "mask"),
-    # output bit-identical (session 6, bench/NOTES_hytopk.md; the session-4 mismatch was a bug, fixed)
+    # radix-select bits per counting pass: 2 = the early-stopping 2-bit select (16 passes at most; a row stops
+    # once its prefix bucket's lower bound has exactly topk keys at or above it; the count above the k-th key
+    # comes from its own passes and the tie-ranking scan is skipped when no row has more keys equal to its
+    # k-th than fit) or 1 (32 passes, a count pass, always ranks ties). Output bit-identical. The full 2-bit
+    # search was 1.10x faster than 1 bit at 64K on the H200 (session 6); the early stop then took 64K causal
+    # H 64 75.25 -> 74.54 ms (session 10, bench/NOTES_hytopk.md)
     search_bits: int = 2
     # sampled warm-start threshold: keys scored per row block before its key loop (rounded up to a
     # power of two, at most CAP); 0 = off. Exact: rows left with fewer than topk candidates are re-run
-    # from -inf (see warm_stats()). 512 measured on the H200: 1.28x faster at 64K (149 -> 117 ms,
-    # H_I 64, k 2048), output bit-identical to 0 (bench/NOTES_hytopk.md).
-    warm_start: int = 512
+    # from -inf (see warm_stats()). 512 vs 0: 1.28x faster at 64K (H200, session 6). 1024 since session 10
+    # (H200, 64K causal, full 2-bit search at 512 -> early 2-bit search at 1024): H 64 75.25 -> 74.45 ms
+    # (74.54 at 512), H 32 50.69 -> 47.84, H 4 k 512 8.48 -> 7.97; output bit-identical (bench/NOTES_hytopk.md)
+    warm_start: int = 1024
     # candidate append in the key loop. "mask" (block_n <= 64): each row's candidates become an int64 bit
     # mask by a sum in the scores' MMA-derived layout, slot = count + popc(mask below the key), no scan;
     # "tile": a prefix sum over the tile's keys (any block_n). Output bit-identical. "mask" measured
@@ -64,12 +68,6 @@ class Config:
     # --parts sweep): H 64 88.8 -> 75.2 ms (x floor 1.44 -> 1.24); H 32 68.5 -> 50.5 (1.82 -> 1.45);
     # H 4 (k 512, S/4 keys) 9.99 -> 8.54.
     lane_rows: bool = True
-    # radix select (search_bits 2) stops a row as soon as the lower bound L of its prefix bucket has exactly
-    # topk keys at or above it (its top topk are then the keys >= L, whatever the lower bits), takes the
-    # count above the k-th key from the search's own passes (no extra pass) and skips the tie-ranking scan
-    # when no row has more keys equal to its k-th than fit. Same output. sm_90a: see bench/NOTES_hytopk.md
-    # (session 9). Opt-in until timed on the H200.
-    early_select: bool = False
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -77,9 +75,6 @@ def check_config(cfg: Config, interpret: bool) -> None:
     check(cfg.search_bits in (1, 2), f"hytopk: Config.search_bits must be 1 or 2, got {cfg.search_bits}")
     check(cfg.warm_start >= 0, f"hytopk: Config.warm_start must be >= 0 (0 = off), got {cfg.warm_start}")
     check(cfg.append in APPENDS, f"hytopk: Config.append must be one of {APPENDS}, got {cfg.append!r}")
-    check(not cfg.early_select or cfg.search_bits == 2,
-          f"hytopk: Config.early_select needs search_bits=2 (got {cfg.search_bits}); set search_bits=2 or "
-          "early_select=False")
     check(cfg.append != "mask" or cfg.block_n <= 64,
           f"hytopk: Config.append='mask' needs block_n <= 64 (one int64 bit mask per tile), got {cfg.block_n}; "
           "use append='tile' for larger key tiles")
@@ -146,7 +141,7 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(write_scores), IEEE=bool(ieee),
                 WHILE_LOOPS=bool(interp), SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w,
                 WARM_Z=WARM_Z, WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
-                LANE_ROWS=lane_rows(cfg, R, H), EARLY=bool(cfg.early_select))
+                LANE_ROWS=lane_rows(cfg, R, H))
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):
