@@ -281,6 +281,18 @@ def test_fwd_prefetch_default_by_head_block():
     assert km.fwd_prefetch(True, 16) and not km.fwd_prefetch(False, 64)
 
 
+def test_unknown_cfg_keys_are_errors():
+    q, kv, idx = torch.randn(3, 2, 24), torch.randn(5, 24), torch.zeros(3, 4, dtype=torch.int32)
+    out, lse, do = torch.zeros(3, 2, 16), torch.zeros(3, 2), torch.zeros(3, 2, 16)
+    bwd = lambda **kw: km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 0.1, 16, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match=r"scratch_cfg has unknown key\(s\) \['key_slices'\]"):
+        bwd(scratch_cfg=dict(key_slices=4))  # removed in session 10
+    with pytest.raises(ValueError, match=r"dq_cfg has unknown key\(s\) \['num_stage'\]"):
+        bwd(dq_cfg=dict(num_stage=2))
+    with pytest.raises(ValueError, match="fused_cfg must be a dict"):
+        bwd(fused_cfg=[("block_h", 16)])
+
+
 def test_scratch_group_errors():
     assert km.scratch_group(4, 16, 16) == 4 and km.scratch_group(1, 128, 16) == 1
     assert km.scratch_group(None, 16, 16) == km.SCRATCH_GROUP_ONE_BLOCK and km.scratch_group(None, 17, 16) == 1

@@ -578,6 +578,23 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None,
     return out, lse
 
 
+_LAUNCH_KEYS = ("block_h", "block_k", "num_warps", "num_stages")
+CFG_KEYS = dict(dq=_LAUNCH_KEYS + ("split_mma", "asm_stores", "prefetch_idx"), dkv=_LAUNCH_KEYS,
+                fused=_LAUNCH_KEYS, scratch=_LAUNCH_KEYS + ("group",))
+
+
+def check_cfg_keys(name: str, cfg, allowed) -> None:
+    """ValueError naming any key of a ``*_cfg`` dict the kernels do not read (a typo or a removed option
+    would otherwise be ignored silently)."""
+    if cfg is None:
+        return
+    if not isinstance(cfg, dict):
+        raise ValueError(f"sparse_mla_bwd: {name} must be a dict or None, got {type(cfg).__name__}")
+    bad = sorted(set(cfg) - set(allowed))
+    if bad:
+        raise ValueError(f"sparse_mla_bwd: {name} has unknown key(s) {bad}; known: {list(allowed)}")
+
+
 def fwd_prefetch(prefetch_idx, block_h: int) -> bool:
     """The forward's PREFETCH_IDX: as given, or (None) on for head blocks of more than FEW_HEADS rows."""
     return bool(block_h > FEW_HEADS) if prefetch_idx is None else bool(prefetch_idx)
@@ -626,8 +643,10 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     S and dP; ``scratch_cfg`` overrides BWD_SCRATCH_CFG for that dkv kernel. "split": dq kernel + a dkv
     kernel that recomputes S and dP (``dkv_cfg``); "fused": one kernel (``fused_cfg``). ``split=True`` /
     ``False`` is the older spelling of "split" / "fused". ``dq_cfg`` applies to the dq kernel of scratch
-    and split. ``*_cfg``: dicts of block_h / block_k / num_warps / num_stages overriding the defaults;
-    ``bench/check_sparse_mla.py --resources`` reports smem / spills per config offline.
+    and split. ``*_cfg``: dicts of block_h / block_k / num_warps / num_stages overriding the defaults, plus
+    dq_cfg split_mma / asm_stores / prefetch_idx and scratch_cfg group (see BWD_DQ_CFG, BWD_SCRATCH_CFG);
+    an unknown key is a ValueError. ``bench/check_sparse_mla.py --resources`` reports smem / spills per
+    config offline.
     ``dq_over_q``: the caller no longer needs q: dq is written into q's storage, one [T, N, Dqk] buffer
     less. Fused: each program loads its q rows once, before its key loop, and is their only user.
     Scratch: each chunk's dq goes to a chunk-sized buffer and is copied over q's chunk rows once that
@@ -638,6 +657,10 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     S = kv.shape[0]
     K = idx.shape[1]
     variant = check_bwd_variant(variant, chunk_tokens, split)
+    for name, given, allowed in (("dq_cfg", dq_cfg, CFG_KEYS["dq"]), ("dkv_cfg", dkv_cfg, CFG_KEYS["dkv"]),
+                                 ("fused_cfg", fused_cfg, CFG_KEYS["fused"]),
+                                 ("scratch_cfg", scratch_cfg, CFG_KEYS["scratch"])):
+        check_cfg_keys(name, given, allowed)
     _check_target(target, T, K, variant, q.device)
     dout = dout.to(q.dtype).contiguous()  # the kernel's dots need one operand dtype
     over = dq_over_q and variant != "split"
