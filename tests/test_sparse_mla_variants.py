@@ -185,14 +185,20 @@ def test_gpu_scratch_asm_stores_bit_identical(N):
     """dq_cfg asm_stores (P / dS stored by inline PTX in the MMA layout, two bf16 per 32-bit store when
     adjacent, else one by one) writes the same scratch as tl.store: with the deterministic dkv reduction
     dq and dkv are bit-identical. N = 70: a partial head block (masked rows in the pairs)."""
+    _gpu_dq_cfgs_bit_identical(N, {}, dict(asm_stores=True), seed=2)
+
+
+def _gpu_dq_cfgs_bit_identical(N, cfg_a, cfg_b, seed):
+    """bf16, T = 700, k = 2048: the scratch backward with dq_cfg cfg_a and cfg_b, deterministic dkv: dq and dkv
+    bit for bit."""
     T, S, K = 700, 3072, 2048
     q, kv, idx = _gpu_case(T, N, S, K)
-    gen = torch.Generator(device="cuda").manual_seed(2)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
     do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
     kw = dict(deterministic=True, chunk_tokens=256)
-    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, **kw)
-    b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, dq_cfg=dict(asm_stores=True), **kw)
+    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, dq_cfg=cfg_a, **kw)
+    b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, dq_cfg=cfg_b, **kw)
     assert torch.equal(b[0], a[0]) and torch.equal(b[1], a[1])
 
 
@@ -238,16 +244,7 @@ def test_gpu_prefetch_idx_bit_identical(N, K):
 def test_gpu_dq_prefetch_idx_bit_identical(N, stages):
     """The few-heads scratch dq kernel (one 16-row tile, 4 warps) with prefetch_idx (its default) against
     without: dq and the deterministic dkv bit for bit; N = 12 masks head rows."""
-    T, S, K = 700, 3072, 2048
-    q, kv, idx = _gpu_case(T, N, S, K)
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
-    do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
-    kw = dict(deterministic=True, chunk_tokens=256)
-    a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, dq_cfg=dict(prefetch_idx=False), **kw)
-    b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512,
-                          dq_cfg=dict(prefetch_idx=True, num_stages=stages), **kw)
-    assert torch.equal(b[0], a[0]) and torch.equal(b[1], a[1])
+    _gpu_dq_cfgs_bit_identical(N, dict(prefetch_idx=False), dict(prefetch_idx=True, num_stages=stages), seed=4)
 
 
 @needs_triton
