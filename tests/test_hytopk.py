@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hyscale_kernels.hytopk import MAX_TOPK, hytopk, interpreter_active
-from hyscale_kernels.hytopk.op import Config
+from hyscale_kernels.hytopk.op import Config, hytopk_floor
 from hyscale_kernels.hytopk.reference import (
     causal_bounds,
     hytopk_reference,
@@ -330,3 +330,24 @@ def test_validate_accepts_1m_tokens_and_rejects_int32_overflow():
     q, w, k, st, en = case(1 << 25, 64, 16)
     with pytest.raises(ValueError, match="must be < 2\\*\\*31"):
         _validate(q, w.bfloat16(), k, st, en, 2048, "auto", check_bounds=False)
+
+
+@interp
+@pytest.mark.parametrize("lazy_max", [False, True])
+def test_floor_row_max(lazy_max):
+    """The benchmark floor (no selection) returns each row's max visible score, with the per-tile cross-warp
+    max or (lazy_max) the per-element max reduced after the key loop; -inf for a row with no visible key.
+    T, S not multiples of the tile; causal bounds plus one empty row; signed weights, identity and ReLU."""
+    T, S, H = 37, 45, 4
+    q, w, k = _inputs(T, S, H, seed=7)
+    st, en = causal_bounds(T, S)
+    en = en.clone()
+    en[3] = st[3]  # no visible key
+    for relu in (True, False):
+        got = hytopk_floor(q, w, k, st, en, relu=relu, topk=8, lazy_max=lazy_max)
+        sc = index_scores_reference(q, w, k, relu=relu)
+        cols = torch.arange(S)
+        vis = (cols[None, :] >= st[:, None].long()) & (cols[None, :] < en[:, None].long())
+        ref = sc.masked_fill(~vis, float("-inf")).amax(dim=1)
+        assert got.shape == (T,) and got[3] == float("-inf")
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

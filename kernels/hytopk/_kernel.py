@@ -248,8 +248,11 @@ def _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H
 @triton.jit
 def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows,
               o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
-              RELU: tl.constexpr, SELECT: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr):
-    """One key tile: score it and append each row's new candidates (the caller made room)."""
+              RELU: tl.constexpr, SELECT: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr,
+              LAZY_MAX: tl.constexpr = False):
+    """One key tile: score it and append each row's new candidates (the caller made room). The floor
+    (SELECT=False) keeps a running max instead: per row [R] (a cross-warp max every tile) or, LAZY_MAX,
+    per element [BLOCK_N, R] (no per-tile reduction; reduced once after the key loop)."""
     o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
                                   H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)
     if SELECT:
@@ -259,6 +262,8 @@ def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, ke
         tl.store(key_rows[None, :] + pos, key, mask=m_c)
         tl.store(idx_rows[None, :] + pos, o_s[:, None] + tl.zeros_like(pos), mask=m_c)
         cnt += tl.sum(m_c.to(tl.int32), axis=0)
+    elif LAZY_MAX:
+        b_max = tl.maximum(b_max, tl.where(m_vis, sc, float("-inf")))  # [BLOCK_N, R]
     else:
         b_max = tl.maximum(b_max, tl.max(tl.where(m_vis, sc, float("-inf")), axis=0))
     return cnt, thr, b_max
@@ -402,7 +407,7 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
 def _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows, o_n, o_d, m_d,
                  H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
                  SELECT: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr, HW: tl.constexpr,
-                 LANE_ROWS: tl.constexpr):
+                 LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False):
     """One step of the key loop from tile i_n: Config.append's way (the floor, SELECT=False, always tiles)."""
     if APPEND == 1 and SELECT:
         cnt = _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
@@ -410,7 +415,7 @@ def _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
     else:
         cnt, thr, b_max = _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                     key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, SELECT, IEEE,
-                                    LANE_ROWS=LANE_ROWS)
+                                    LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX)
     return cnt, thr, b_max
 
 
@@ -419,7 +424,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
               o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
-              APPEND: tl.constexpr, LANE_ROWS: tl.constexpr):
+              APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False):
     """The row block's key loop (all its tiles, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask)."""
@@ -441,13 +446,15 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
             while i_n < i_e:
                 cnt, thr, b_max = _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                                key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU,
-                                               SELECT, IEEE, APPEND, not WHILE_LOOPS, LANE_ROWS=LANE_ROWS)
+                                               SELECT, IEEE, APPEND, not WHILE_LOOPS, LANE_ROWS=LANE_ROWS,
+                                               LAZY_MAX=LAZY_MAX)
                 i_n += 1
         else:
             for i_j in range(i_n, i_n + n_seg):
                 cnt, thr, b_max = _append_step(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                                key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU,
-                                               SELECT, IEEE, APPEND, not WHILE_LOOPS, LANE_ROWS=LANE_ROWS)
+                                               SELECT, IEEE, APPEND, not WHILE_LOOPS, LANE_ROWS=LANE_ROWS,
+                                               LAZY_MAX=LAZY_MAX)
             i_n += n_seg
     return cnt, thr, b_max
 
@@ -464,7 +471,7 @@ def hytopk_kernel(
     RELU: tl.constexpr, SELECT: tl.constexpr, WRITE_SCORES: tl.constexpr, IEEE: tl.constexpr,
     WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
     WARM: tl.constexpr = 0, CHUNK_W: tl.constexpr = 1, WARM_Z: tl.constexpr = 4.0, WARM_MIN: tl.constexpr = 16,
-    APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False,
+    APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False, LAZY_MAX: tl.constexpr = False,
 ):
     i_p = tl.program_id(0)
     RH: tl.constexpr = R * H
@@ -499,7 +506,10 @@ def hytopk_kernel(
 
         cnt = tl.zeros([R], dtype=tl.int32)  # candidates held per row
         thr = tl.full([R], INT32_MIN, dtype=tl.int32)  # running threshold key per row
-        b_max = tl.full([R], float("-inf"), dtype=tl.float32)  # floor mode only
+        if LAZY_MAX:  # floor mode only (LAZY_MAX: per element, reduced after the key loop)
+            b_max = tl.full([BLOCK_N, R], float("-inf"), dtype=tl.float32)
+        else:
+            b_max = tl.full([R], float("-inf"), dtype=tl.float32)
         if WARM > 0 and SELECT:
             if tl.max(tl.where(m_live, b_end - b_start, 0), axis=0) > CAP:
                 thr = _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n,
@@ -532,7 +542,7 @@ def hytopk_kernel(
             cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
                                         CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND,
-                                        LANE_ROWS=LANE_ROWS)
+                                        LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX)
 
         if SELECT:
             tl.debug_barrier()
@@ -553,5 +563,8 @@ def hytopk_kernel(
                                  tl.full([R, CHUNK], float("-inf"), tl.float32), mask=m_pad)
             tl.debug_barrier()  # the next row block reuses the scratch
         else:
-            tl.store(out_val_ptr + o_t, b_max, mask=m_t)
+            if LAZY_MAX:
+                tl.store(out_val_ptr + o_t, tl.max(b_max, axis=0), mask=m_t)
+            else:
+                tl.store(out_val_ptr + o_t, b_max, mask=m_t)
         i_w += n_p

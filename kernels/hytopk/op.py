@@ -133,15 +133,16 @@ def lane_rows(cfg: Config, R: int, H: int) -> bool:
 
 
 def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, relu: bool, write_scores: bool,
-                      ieee: bool, interp: bool) -> dict:
-    """hytopk_kernel's constexpr arguments for a launch (also what AOT compiles for sm_90a pass)."""
+                      ieee: bool, interp: bool, lazy_max: bool = False) -> dict:
+    """hytopk_kernel's constexpr arguments for a launch (also what AOT compiles for sm_90a pass).
+    ``lazy_max``: the floor (select=False) keeps a per-element running max, reduced once after the key loop."""
     R, cap, chunk, min_free, d_p2 = _geometry(H, D, topk, cfg)
     warm, chunk_w = _warm_geometry(cap, chunk, cfg) if select else (0, 1)
     return dict(H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
                 RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(write_scores), IEEE=bool(ieee),
                 WHILE_LOOPS=bool(interp), SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w,
                 WARM_Z=WARM_Z, WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
-                LANE_ROWS=lane_rows(cfg, R, H))
+                LANE_ROWS=lane_rows(cfg, R, H), LAZY_MAX=bool(lazy_max) and not select)
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):
@@ -152,7 +153,8 @@ def _warm_geometry(cap: int, chunk: int, cfg: Config):
     return warm, min(chunk, warm)
 
 
-def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, config: Config | None = None):
+def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, config: Config | None = None,
+            lazy_max: bool = False):
     """Run the Triton kernel. select=False runs the no-selection floor (returns the row max)."""
     T, H, D = q.shape
     S = k.shape[0]
@@ -160,7 +162,7 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     cfg = config or default_config(H, topk, interp)
     check_config(cfg, interp)
     meta = kernel_constexprs(cfg, H, D, topk, select=select, relu=relu, write_scores=select and return_scores,
-                             ieee=q.dtype == torch.float32, interp=interp)
+                             ieee=q.dtype == torch.float32, interp=interp, lazy_max=lazy_max)
     R, cap, warm = meta["R"], meta["CAP"], meta["WARM"]
     n_blocks = triton_cdiv(T, R)
     if interp or not q.is_cuda:
@@ -288,12 +290,15 @@ def hytopk(
     return hytopk_reference(q, w, k, starts, ends, topk, relu=relu, return_scores=return_scores)
 
 
-def hytopk_floor(q, w, k, starts, ends, relu: bool = True, config: Config | None = None, topk: int = 2048):
+def hytopk_floor(q, w, k, starts, ends, relu: bool = True, config: Config | None = None, topk: int = 2048,
+                 lazy_max: bool = False):
     """Benchmark floor: the same scoring tile loop with no selection; returns each row's max score.
 
-    ``topk`` only shapes the launch as HyTopK would run it (rows per program).
+    ``topk`` only shapes the launch as HyTopK would run it (rows per program). ``lazy_max``: keep the running
+    max per element of the [keys, rows] tile and reduce it once after the key loop, instead of a cross-warp
+    max per tile (sm_90a key loop: no per-tile barrier for it; a stricter floor, session 10, untimed).
     """
-    return _launch(q, w, k, starts, ends, topk, relu, False, select=False, config=config)
+    return _launch(q, w, k, starts, ends, topk, relu, False, select=False, config=config, lazy_max=lazy_max)
 
 
 __all__ = ["hytopk", "hytopk_floor", "Config", "default_config", "interpreter_active", "MAX_TOPK", "replace",
