@@ -330,6 +330,38 @@ def test_bwd_never_transposes_an_mma_tile_sm90():
     assert out.count("OK") == 2, out
 
 
+@needs_triton
+@pytest.mark.parametrize("relu", [True, False])
+def test_bwd_prefetch_idx_bit_identical(relu):
+    """The backward kernel's prefetch_idx (slot indices loaded a block ahead of their gather) changes when the
+    indices load, not the result: dq, dw and the deterministic dk equal the plain kernel's bit for bit and the
+    reference's. K = 45: one partial 32-slot block (the prefetch past the row loads nothing); padded slots
+    and an empty row (_case)."""
+    T, H, D, S, K = 5, 6, 32, 60, 45
+    q, w, k, idx = _case(T, H, D, S, K, seed=3)
+    g = torch.randn(T, K, generator=torch.Generator().manual_seed(4))
+    g = g.masked_fill(idx < 0, 0.0)
+    got = [ss_mod._triton_bwd(q, w, k, idx, g, relu, True, prefetch_idx=pf) for pf in (False, True)]
+    for a, b in zip(got[0], got[1]):
+        assert not torch.isnan(b).any() and torch.equal(a, b)
+    ref = _run(selected_scores_reference, q, w, k, idx, g, relu=relu)
+    for a, b in zip(got[1], ref[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("relu", [True, False])
+def test_gpu_bwd_prefetch_idx_bit_identical(relu):
+    """bf16, 64 index heads x 128, k = 2048: the prefetching backward kernel against the plain one, bit for bit
+    (deterministic dk)."""
+    T, H, D, S, K = 600, 64, 128, 4096, 2048
+    q, w, k, idx = _case(T, H, D, S, K, seed=5, dtype=torch.bfloat16, device="cuda", pad=0.1)
+    g = torch.randn(T, K, device="cuda").masked_fill(idx < 0, 0.0)
+    got = [ss_mod._triton_bwd(q, w, k, idx, g, relu, True, prefetch_idx=pf) for pf in (False, True)]
+    for a, b in zip(got[0], got[1]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("relu", [True, False])
 def test_gpu_bf16(relu):

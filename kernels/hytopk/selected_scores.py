@@ -58,11 +58,23 @@ def _load_row(q, w, i_t, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr
 
 
 @triton.jit
+def _load_slots(idx, i_t, j0, K: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Slots [j0, j0 + BLOCK_J) of row i_t's index list: int64 [BLOCK_J], -1 past K."""
+    o_j = j0 + tl.arange(0, BLOCK_J)
+    return tl.load(idx + i_t.to(tl.int64) * K + o_j, mask=o_j < K, other=-1).to(tl.int64)
+
+
+@triton.jit
 def _gather_keys(k, idx, i_t, j0, K: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr):
     """Selected key rows [BLOCK_J, BLOCK_D] (zeros at padding), their indices and validity."""
+    return _gather_slots(k, _load_slots(idx, i_t, j0, K, BLOCK_J), j0, D, BLOCK_J, BLOCK_D)
+
+
+@triton.jit
+def _gather_slots(k, b_idx, j0, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr):
+    """_gather_keys from already loaded slots b_idx [BLOCK_J] (int64, -1 = padding)."""
     o_j = j0 + tl.arange(0, BLOCK_J)
     o_d = tl.arange(0, BLOCK_D)
-    b_idx = tl.load(idx + i_t.to(tl.int64) * K + o_j, mask=o_j < K, other=-1).to(tl.int64)  # [BLOCK_J]
     m_j = b_idx >= 0
     b_k = tl.load(k + b_idx[:, None] * D + o_d[None, :],
                   mask=m_j[:, None] & (o_d[None, :] < D), other=0.0)  # [BLOCK_J, BLOCK_D]
@@ -95,7 +107,10 @@ def _selected_scores_bwd_kernel(
     q, w, k, idx, g, dq, dw, dk, row0, sc, tg, r_lse, r_tsum, r_coef, eps,
     H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, DETERMINISTIC: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, KL: tl.constexpr,
+    PREFETCH_IDX: tl.constexpr = False,
 ):
+    """PREFETCH_IDX: each slot block's indices are loaded one block ahead (loop-carried), so the pipelined
+    gather of the next key rows does not wait on a synchronous index load (as the sparse MLA forward)."""
     # query row; the program walks all its selected slots (K is constexpr: a static loop, which
     # the interpreter with numpy >= 2.5 needs; topk takes few values per model anyway)
     i_t = tl.program_id(0) + row0
@@ -112,8 +127,14 @@ def _selected_scores_bwd_kernel(
         k_den = tl.maximum(k_tsum, eps)
         k_tnsum = k_tsum / k_den
         k_coef = tl.load(r_coef + i_t)
+    b_idx_next = _load_slots(idx, i_t, 0, K, BLOCK_J)  # [BLOCK_J] (PREFETCH_IDX)
     for j0 in range(0, K, BLOCK_J):
-        b_k, b_idx, m_j, o_j = _gather_keys(k, idx, i_t, j0, K, D, BLOCK_J, BLOCK_D)
+        if PREFETCH_IDX:
+            b_idx_cur = b_idx_next
+            b_idx_next = _load_slots(idx, i_t, j0 + BLOCK_J, K, BLOCK_J)  # -1 past the row: no gather
+            b_k, b_idx, m_j, o_j = _gather_slots(k, b_idx_cur, j0, D, BLOCK_J, BLOCK_D)
+        else:
+            b_k, b_idx, m_j, o_j = _gather_keys(k, idx, i_t, j0, K, D, BLOCK_J, BLOCK_D)
         if KL:
             b_sc = tl.load(sc + i_t.to(tl.int64) * K + o_j, mask=m_j, other=0.0)
             b_tn = tl.load(tg + i_t.to(tl.int64) * K + o_j, mask=m_j, other=0.0) / k_den
@@ -182,8 +203,11 @@ def _triton_fwd(q, w, k, idx, relu: bool, block_j: int = 64):
     return out
 
 
-def _triton_bwd(q, w, k, idx, g, relu: bool, deterministic: bool, block_j: int = 32,
-                buf_elems: int = 1 << 26, kl=None, dq_over_q: bool = False):
+BWD_CFG = dict(block_j=32, prefetch_idx=False)  # prefetch_idx: session 10, CPU-tested, not yet timed
+
+
+def _triton_bwd(q, w, k, idx, g, relu: bool, deterministic: bool, block_j: int | None = None,
+                buf_elems: int = 1 << 26, kl=None, dq_over_q: bool = False, prefetch_idx: bool | None = None):
     """``kl=(scores, target, lse, tsum, coef)``: take g from the fused KL (``indexer_loss.kl``) instead of
     a stored gradient tensor (``g`` is then None). ``dq_over_q``: write dq into q's own storage (the
     caller owns q and no longer needs it: a recomputed q; saves a [T, H, D] buffer, 16 GiB at 1M x 64
@@ -201,8 +225,9 @@ def _triton_bwd(q, w, k, idx, g, relu: bool, deterministic: bool, block_j: int =
     if T == 0:
         return dq, dw, dk
     BLOCK_H, BLOCK_D = _blocks(H, D)
-    meta = dict(RELU=relu, IEEE=q.dtype == torch.float32, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_J=block_j,
-                KL=kl is not None)
+    meta = dict(RELU=relu, IEEE=q.dtype == torch.float32, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                BLOCK_J=block_j or BWD_CFG["block_j"], KL=kl is not None,
+                PREFETCH_IDX=bool(BWD_CFG["prefetch_idx"] if prefetch_idx is None else prefetch_idx))
     if kl is None:
         z = dq
         kl_args = (z, z, z, z, z, 0.0)

@@ -1,0 +1,94 @@
+"""Where the sparse-stage indexer loss spends its time: the selected-scores kernels it runs, timed alone.
+
+The loss (bench/sparse_attn.py, ~18-19 ms at T = 16K whatever the attention's head count) is the indexer's
+scores at the k selected keys (`selected_scores` forward), the KL rows, and the backward to the indexer's q,
+w, k (`_triton_bwd`: per query row, S and S^T, dq, dk, fp32 atomics into dk). With few attention heads it is
+40% of the attention (session 10), so its kernels are timed here, one row per variant:
+  * `fwd`: the selected-scores forward, [T, k] fp32;
+  * `bwd` / `bwd prefetch idx`: the backward kernel from a given score gradient, without / with the slot
+    indices loaded one block ahead of their gather (as the sparse MLA forward since session 10);
+  * `bwd deterministic`: the sorted-order dk reduction.
+Median ms (CUDA events, after a warm-up), 20/80 percentiles, TFLOP/s (fwd 2·T·k·H·D, bwd 3x that; the ReLU
+variant's second score MMA not counted), and for the backward variants the largest relative L2 difference of
+dq / dw / dk against `bwd`. Random bf16 data, causal duplicate-free indices, signed head weights, ReLU.
+Rows are appended to bench/results/loss_parts.csv.
+
+On the H200 (device tool; no Megatron needed):
+  python3 bench/loss_parts.py --out $OUT
+CPU smoke (interpreter, tiny shapes, plumbing only):
+  python3 bench/loss_parts.py --cpu-smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _repo  # noqa: E402,F401
+
+p = argparse.ArgumentParser()
+p.add_argument("--T", type=int, default=16384)
+p.add_argument("--index-heads", type=int, default=64)
+p.add_argument("--index-dim", type=int, default=128)
+p.add_argument("--topk", type=int, default=2048)
+p.add_argument("--budget-s", type=float, default=120.0)
+p.add_argument("--out", default=os.environ.get("OUT", "/tmp/loss_parts"))
+p.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loss_parts.csv"))
+p.add_argument("--cpu-smoke", action="store_true")
+args = p.parse_args()
+if args.cpu_smoke:
+    os.environ["TRITON_INTERPRET"] = "1"
+    args.T, args.index_heads, args.index_dim, args.topk = 40, 4, 32, 24
+    args.csv = os.path.join(args.out, "smoke.csv")
+
+import torch  # noqa: E402
+
+from common import append_csv, causal_indices, env_info, markdown_table, rel_err, time_ms  # noqa: E402
+from hyscale_kernels.hytopk import selected_scores as ss  # noqa: E402
+
+
+def main():
+    dev = "cpu" if args.cpu_smoke else "cuda"
+    dt = torch.float32 if args.cpu_smoke else torch.bfloat16
+    T, H, D, K = args.T, args.index_heads, args.index_dim, args.topk
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(T, H, D, device=dev, generator=g).to(dt)
+    w = torch.randn(T, H, device=dev, generator=g)
+    k = torch.randn(T, D, device=dev, generator=g).to(dt)
+    idx = causal_indices(T, K, dev, seed=1)
+    grad = torch.randn(T, K, device=dev, generator=g).masked_fill(idx < 0, 0.0)
+    fl = 2.0 * T * K * H * D
+    info = env_info()
+    t0 = time.time()
+    ref = ss._triton_bwd(q, w, k, idx, grad, True, False)
+    variants = [
+        ("fwd", lambda: ss._triton_fwd(q, w, k, idx, True), fl, False),
+        ("bwd", lambda: ss._triton_bwd(q, w, k, idx, grad, True, False), 3 * fl, True),
+        ("bwd prefetch idx", lambda: ss._triton_bwd(q, w, k, idx, grad, True, False, prefetch_idx=True), 3 * fl, True),
+        ("bwd deterministic", lambda: ss._triton_bwd(q, w, k, idx, grad, True, True), 3 * fl, True),
+    ]
+    rows = []
+    for name, fn, flops, is_bwd in variants:
+        if time.time() - t0 > args.budget_s:
+            print(f"budget reached: skipping {name}", flush=True)
+            continue
+        t = time_ms(fn, warmup=1, min_iters=3, max_iters=10 if not args.cpu_smoke else 3, target_ms=500.0)
+        err = ""
+        if is_bwd:
+            got = fn()
+            err = f"{max(rel_err(a.float(), b.float()) for a, b in zip(got, ref)):.2e}"
+        row = dict(kind="loss_parts", T=T, H_I=H, D_I=D, k=K, variant=name, **t,
+                   tflops=round(flops / t["ms"] / 1e9, 1), err=err, **info)
+        print(f"  {name}: {t['ms']:.3f} ms ({row['tflops']} TFLOP/s) err {err}", flush=True)
+        rows.append(row)
+    append_csv(args.csv, rows)
+    os.makedirs(args.out, exist_ok=True)
+    append_csv(os.path.join(args.out, "loss_parts.csv"), rows)
+    print(markdown_table(rows, ["T", "H_I", "k", "variant", "ms", "p20", "p80", "tflops", "err"]))
+
+
+if __name__ == "__main__":
+    main()
