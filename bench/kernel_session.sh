@@ -4,7 +4,8 @@
 #   2) bench/sparse_bwd_parts.py: per-kernel CUDA times of the backward variants (N = 16/64/128);
 #   3) bench/sparse_attn.py, ours only, at KS_SIZES x KS_HEADS (re-times the attention and loss path);
 #   topk (not in the default): bench/topk.py exact-variant check + 64K config sweep;
-#   target (not in the default): bench/target_sweep.py, launch configs of the loss target kernel.
+#   target (not in the default): bench/target_sweep.py, launch configs of the loss target kernel;
+#   loss (not in the default): bench/loss_parts.py, the loss's selected-scores kernels (KS_LOSS_T, _BUDGET, _TIMEOUT).
 # Usage on the device (carry .whl-tl):  OUT=$OUT bash bench/kernel_session.sh
 # Env: KS_STEPS ("tests parts attn"; add "topk"), KS_TEST_FILES, KS_TARGET_BUDGET/TIMEOUT, KS_TOPK_S/CFGS/HEADS/BUDGET/TIMEOUT, KS_TESTS_TIMEOUT, KS_PARTS_T, KS_SIZES, KS_HEADS, KS_ATTN_BUDGET,
 #      KS_ATTN_SWEEP (substrings of bench/sparse_attn.py's fwd / bwd variants to sweep in the attn step; unset: no sweep).
@@ -38,6 +39,11 @@ case " $STEPS " in *" target "*)
   echo "== target sweep ($(date +%T))"
   timeout "${KS_TARGET_TIMEOUT:-240}" python3 bench/target_sweep.py --out "$OUT" --budget-s "${KS_TARGET_BUDGET:-200}" 2>&1 \
     | grep -v -i warn | grep -E "T=|^\||budget" | tail -24;;
+esac
+case " $STEPS " in *" loss "*)
+  echo "== loss parts ($(date +%T))"
+  timeout "${KS_LOSS_TIMEOUT:-150}" python3 bench/loss_parts.py --out "$OUT" --T "${KS_LOSS_T:-16384}" \
+    --budget-s "${KS_LOSS_BUDGET:-120}" 2>&1 | grep -v -i warn | tail -8;;
 esac
 case " $STEPS " in *" attn "*)
   echo "== sparse_attn ($(date +%T))"
