@@ -21,28 +21,22 @@ CPU smoke (interpreter, tiny shapes, plumbing only):
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _repo  # noqa: E402,F401
+from _cli import parser, smoke  # noqa: E402
 
-p = argparse.ArgumentParser()
+p = parser("loss_parts", 120.0)
 p.add_argument("--T", type=int, default=16384)
 p.add_argument("--index-heads", type=int, default=64)
 p.add_argument("--index-dim", type=int, default=128)
 p.add_argument("--topk", type=int, default=2048)
-p.add_argument("--budget-s", type=float, default=120.0)
-p.add_argument("--out", default=os.environ.get("OUT", "/tmp/loss_parts"))
-p.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loss_parts.csv"))
-p.add_argument("--cpu-smoke", action="store_true")
 args = p.parse_args()
-if args.cpu_smoke:
-    os.environ["TRITON_INTERPRET"] = "1"
+if smoke(args):
     args.T, args.index_heads, args.index_dim, args.topk = 40, 4, 32, 24
-    args.csv = os.path.join(args.out, "smoke.csv")
 
 import torch  # noqa: E402
 

@@ -19,26 +19,20 @@ CPU smoke (interpreter, tiny shapes, plumbing only):
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _repo  # noqa: E402,F401
+from _cli import parser, smoke  # noqa: E402
 
-p = argparse.ArgumentParser()
+p = parser("target_sweep", 200.0, help="stop starting new configs after this")
 p.add_argument("--shapes", default="65536:128,16384:16", help="T:N pairs")
 p.add_argument("--topk", type=int, default=2048)
-p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new configs after this")
-p.add_argument("--out", default=os.environ.get("OUT", "/tmp/target_sweep"))
-p.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "target_sweep.csv"))
-p.add_argument("--cpu-smoke", action="store_true")
 args = p.parse_args()
-if args.cpu_smoke:
-    os.environ["TRITON_INTERPRET"] = "1"
+if smoke(args):
     args.shapes, args.topk = "32:4", 16
-    args.csv = os.path.join(args.out, "smoke.csv")
 
 import torch  # noqa: E402
 
