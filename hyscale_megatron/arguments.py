@@ -24,7 +24,7 @@ def add_hyscale_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help=docs["attn_impl"] + f" Default {defaults.attn_impl}.")
     group.add_argument("--hyscale-loss-target", choices=("backward", "forward"), default=None,
                        help=docs["loss_target"] + f" Default {defaults.loss_target}.")
-    for name in ("replay", "replay_offload", "replay_prefetch", "replay_compact", "deterministic",
+    for name in ("loss_tp_split", "replay", "replay_offload", "replay_prefetch", "replay_compact", "deterministic",
                  "mla_up_proj_recompute"):
         flag = name.replace("_", "-")
         group.add_argument(f"--hyscale-{flag}", dest=f"hyscale_{name}", action="store_true", default=None,

@@ -41,6 +41,14 @@ class HyScaleConfig:
                           "tracker there: logged values unchanged, the forward's loss tensor is 0) or 'forward' "
                           "(a target kernel re-runs QK over the selected keys in the forward)."},
     )
+    loss_tp_split: bool = field(
+        default=False,
+        metadata={"doc": "With tensor parallelism and loss_target='backward': each TP rank computes the sparse-stage "
+                          "indexer loss's KL and indexer backward for 1/TP of the query rows (the indexer is "
+                          "duplicated on every rank, so otherwise every rank computes all of it) and the indexer "
+                          "gradients are gathered / summed over the TP group (dq rows all-gathered, dk all-reduced): "
+                          "same loss value and gradients on every rank. Correct on CPU (gloo) tests; not yet timed."},
+    )
     replay: bool = field(
         default=True,
         metadata={"doc": "Selection replay: recompute reuses the forward's top-k (keyed by layer, microbatch)."},
@@ -88,9 +96,14 @@ class HyScaleConfig:
                 f"HyScaleConfig.loss_target={self.loss_target!r} is invalid; choose one of {', '.join(_LOSS_TARGETS)} "
                 "(flag --hyscale-loss-target, env HYSCALE_LOSS_TARGET).")
         for name in ("enabled", "replay", "replay_offload", "replay_prefetch", "replay_compact", "deterministic",
-                     "mla_up_proj_recompute"):
+                     "mla_up_proj_recompute", "loss_tp_split"):
             if not isinstance(getattr(self, name), bool):
                 raise HyScaleConfigError(f"HyScaleConfig.{name} must be a bool, got {getattr(self, name)!r}.")
+        if self.loss_tp_split and self.loss_target != "backward":
+            raise HyScaleConfigError(
+                "HyScaleConfig.loss_tp_split=True splits the deferred loss (loss_target='backward') over the TP ranks; "
+                f"loss_target={self.loss_target!r} has no such split (drop --hyscale-loss-tp-split or use "
+                "--hyscale-loss-target backward).")
         if self.replay_offload and not self.replay:
             raise HyScaleConfigError(
                 "HyScaleConfig.replay_offload=True needs replay=True: offloading applies to replayed "

@@ -250,6 +250,7 @@ class _Compute:
                     self._q_of(q, bi, b), weights[:, bi], k[:, bi],
                     v_dim=v_dim, relu=use_relu, row_mask=None if rows_valid is None else rows_valid[bi].float(),
                     tp_group=tp_group, on_value=track, deterministic=self.cfg.deterministic,
+                    tp_split_rows=self.cfg.loss_tp_split,
                     dq_over_q=DQ_OVER_QUERY and not self.query_kept, check_index_range=False)
             outs.append(out)
             lses.append(lse.detach())

@@ -18,6 +18,9 @@ def test_config_defaults_and_validation():
         HyScaleConfig(replay=False, replay_offload=True)
     with pytest.raises(HyScaleConfigError, match="must be a bool"):
         HyScaleConfig(replay="yes")
+    assert HyScaleConfig().loss_tp_split is False and HyScaleConfig(loss_tp_split=True).loss_tp_split
+    with pytest.raises(HyScaleConfigError, match="loss_tp_split=True splits the deferred loss.*loss_target='forward'"):
+        HyScaleConfig(loss_tp_split=True, loss_target="forward")
 
 
 def test_config_from_env_and_flags():
@@ -37,8 +40,11 @@ def test_config_from_env_and_flags():
     assert cfg.replay_offload is True and cfg.replay_prefetch is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--hyscale-topk-impl", "fast"])
+    cfg = hyscale_config_from_args(parser.parse_args(["--hyscale-loss-tp-split"]))
+    assert cfg.loss_tp_split is True
+    assert HyScaleConfig.from_env({"HYSCALE_LOSS_TP_SPLIT": "1"}).loss_tp_split is True
     table = config_table_markdown()
-    assert "--hyscale-replay-offload" in table and "HYSCALE_TOPK_IMPL" in table
+    assert "--hyscale-replay-offload" in table and "HYSCALE_TOPK_IMPL" in table and "HYSCALE_LOSS_TP_SPLIT" in table
 
 
 def _ns(**kw):

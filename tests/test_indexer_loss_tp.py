@@ -1,6 +1,8 @@
 """Heads sharded over two tensor-parallel ranks (gloo, CPU, Triton interpreter): the sparse-stage loss target is
 all-reduced, so every rank sees the loss value and indexer gradients of the unsharded layer, for the forward
-path (target kernel in the forward) and the deferred one (target from the attention backward)."""
+path (target kernel in the forward) and the deferred one (target from the attention backward), also with the
+deferred loss's rows split over the ranks (tp_split_rows: each rank the KL and indexer backward of half the
+rows, gradients gathered)."""
 
 import os
 import tempfile
@@ -16,29 +18,30 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 T, S, N, K, V = 6, 24, 8, 8, 32
 
 
-def _inputs():
+def _inputs(T=T):
     g = torch.Generator().manual_seed(0)
     q_idx, w, k_idx = torch.randn(T, 4, 16, generator=g), torch.randn(T, 4, generator=g), torch.randn(S, 16, generator=g)
     query, kv = torch.randn(T, N, 48, generator=g), torch.randn(S, 48, generator=g)
     idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)]).int()
-    idx[2, 3:] = -1
+    idx[min(2, T - 1), 3:] = -1  # padding in a row
     dout = torch.randn(T, N, V, generator=g)
     return q_idx, w, k_idx, query, kv, idx, dout
 
 
-def _run(deferred, heads, group):
-    """(value, indexer grads, dq of these heads, dkv) for the attention over ``heads``."""
+def _run(deferred, heads, group, split=False, rows=T):
+    """(value, indexer grads, dq of these heads, dkv) for the attention over ``heads`` (``rows`` query rows;
+    ``split``: the deferred loss's rows split over the group)."""
     from hyscale_kernels.indexer_loss.deferred import sparse_mla_with_indexer_loss
     from hyscale_kernels.indexer_loss.fused import sparse_indexer_loss
     from hyscale_kernels.sparse_mla import sparse_mla
 
-    q_idx, w, k_idx, query, kv, idx, dout = _inputs()
+    q_idx, w, k_idx, query, kv, idx, dout = _inputs(rows)
     leaves = [t.clone().requires_grad_() for t in (q_idx, w, k_idx)]
     qa, kva = query[:, heads].clone().requires_grad_(), kv.clone().requires_grad_()
     seen = []
     if deferred:
         out, _, loss = sparse_mla_with_indexer_loss(qa, kva, idx, 0.3, *leaves, v_dim=V, tp_group=group,
-                                                    on_value=seen.append)
+                                                    on_value=seen.append, tp_split_rows=split)
     else:
         out, lse = sparse_mla(qa, kva, idx, 0.3, v_dim=V)
         loss = sparse_indexer_loss(*leaves, qa, kva, idx, 0.3, 1.0, lse=lse, calculate_per_token_loss=True,
@@ -48,25 +51,35 @@ def _run(deferred, heads, group):
     return seen[0], [t.grad for t in leaves], qa.grad, kva.grad
 
 
-def _worker(rank, path, deferred, result_path):
+def _worker(rank, path, deferred, result_path, split=False, rows=T):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     try:
+        from hyscale_kernels.indexer_loss import deferred as deferred_mod
+
+        calls = []  # the split path really ran (the results alone would also match without it)
+        orig = deferred_mod._split_rows_backward
+        deferred_mod._split_rows_backward = lambda *a: calls.append(1) or orig(*a)
         heads = list(range(rank * N // 2, (rank + 1) * N // 2))
         group = dist.new_group([0, 1])
-        value, grads, dq, dkv = _run(deferred, heads, group)
-        torch.save(dict(value=value, grads=grads, dq=dq, dkv=dkv), f"{result_path}.{rank}")
+        value, grads, dq, dkv = _run(deferred, heads, group, split, rows)
+        torch.save(dict(value=value, grads=grads, dq=dq, dkv=dkv, split_calls=len(calls)), f"{result_path}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["forward", "deferred"])
-def test_tp_sharded_heads_match_unsharded(deferred):
-    value, grads, dq, dkv = _run(deferred, list(range(N)), None)
+@pytest.mark.parametrize("deferred,split,rows", [(False, False, T), (True, False, T), (True, True, T),
+                                                 (True, True, T + 1), (True, True, 1)],
+                         ids=["forward", "deferred", "deferred-split-rows", "deferred-split-odd-rows",
+                              "deferred-split-one-row"])
+def test_tp_sharded_heads_match_unsharded(deferred, split, rows):
+    """rows T + 1 = 7: 4 rows on rank 0, 3 on rank 1 (the gather pads); 1: rank 1 has no row."""
+    value, grads, dq, dkv = _run(deferred, list(range(N)), None, rows=rows)
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(os.path.join(d, "init"), deferred, os.path.join(d, "res")), nprocs=2,
-                           start_method="spawn")
+        mp.start_processes(_worker, args=(os.path.join(d, "init"), deferred, os.path.join(d, "res"), split, rows),
+                           nprocs=2, start_method="spawn")
         res = [torch.load(os.path.join(d, f"res.{r}")) for r in range(2)]
     for r in range(2):
+        assert res[r]["split_calls"] == int(split)
         torch.testing.assert_close(res[r]["value"], value, rtol=1e-5, atol=1e-7)
         for a, b in zip(res[r]["grads"], grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)

@@ -139,3 +139,30 @@ def test_hyscale_triton_kernels_match_stock(recompute, loss_target, batch, monke
     for name, gs in grads_s.items():
         if gs.norm() > 0:
             assert _rel(grads_h[name], gs) < 1e-3, name
+
+
+def test_loss_tp_split_reaches_the_deferred_loss(monkeypatch):
+    """HyScaleConfig.loss_tp_split is passed to the deferred loss (tp_split_rows); without a TP group of more than
+    one rank the split is inactive and the layer matches stock as before (the split itself:
+    tests/test_indexer_loss_tp.py, two gloo ranks)."""
+    from hyscale_megatron.env import seed_all
+    from hyscale_kernels.indexer_loss import deferred
+
+    cfg = mla_dsa_config(**RECOMPUTE["none"])
+    seed_all(7)
+    stock = build_gpt(cfg, use_hyscale=False, vocab_size=VOCAB)
+    ours = build_gpt(cfg, use_hyscale=True, vocab_size=VOCAB,
+                     hyscale=HyScaleConfig(topk_impl="triton", attn_impl="triton", loss_tp_split=True))
+    ours.load_state_dict(stock.state_dict(), strict=True)
+    tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    seen = []
+    orig = deferred.sparse_mla_with_indexer_loss
+    monkeypatch.setattr(deferred, "sparse_mla_with_indexer_loss",
+                        lambda *a, **kw: seen.append(kw.get("tp_split_rows")) or orig(*a, **kw))
+    out_s, _, grads_s = _step(stock, tokens)
+    out_h, _, grads_h = _step(ours, tokens)
+    assert seen == [True] * cfg.num_layers
+    assert _rel(out_h, out_s) < 1e-4
+    for name, gs in grads_s.items():
+        if gs.norm() > 0:
+            assert _rel(grads_h[name], gs) < 1e-3, name

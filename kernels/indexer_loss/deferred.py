@@ -55,10 +55,11 @@ class _DeferredSparseKL(torch.autograd.Function):
     """Placeholder loss in the forward; the KL value and the indexer gradients in the backward."""
 
     @staticmethod
-    def forward(ctx, q, w, k, indices, row_mask, relu, deterministic, link, tp_group, on_value):
+    def forward(ctx, q, w, k, indices, row_mask, relu, deterministic, link, tp_group, on_value, tp_split_rows):
         ctx.save_for_backward(q, w, k, indices, row_mask if row_mask is not None else indices.new_empty(0))
         ctx.relu, ctx.deterministic, ctx.has_mask = relu, deterministic, row_mask is not None
         ctx.link, ctx.tp_group, ctx.on_value = link, tp_group, on_value
+        ctx.tp_split_rows = tp_split_rows
         return torch.zeros((), dtype=torch.float32, device=q.device)
 
     @staticmethod
@@ -71,6 +72,9 @@ class _DeferredSparseKL(torch.autograd.Function):
         link, ctx.link = ctx.link, None
         q, w, k, indices, row_mask = ctx.saved_tensors
         target = _tp_all_reduce(link.take(), ctx.tp_group)  # heads sharded over TP: sum the partial head sums
+        if ctx.tp_split_rows and _group_size(ctx.tp_group) > 1:
+            dq, dw, dk = _split_rows_backward(ctx, g, q, w, k, indices, row_mask, target)
+            return dq, dw, dk, None, None, None, None, None, None, None, None
         scores = _triton_fwd(q, w, k, indices, ctx.relu)  # [T, topk] fp32
         kl, _, _ = _kl.kl_rows(target, scores, indices, row_mask if ctx.has_mask else None, grad_out=scores)
         del target
@@ -80,7 +84,58 @@ class _DeferredSparseKL(torch.autograd.Function):
         if ctx.has_mask:
             coef = coef * row_mask.float().reshape(-1, 1)
         dq, dw, dk = _kl.kl_score_backward(q, w, k, indices, scores, coef, ctx.relu, ctx.deterministic)
-        return dq, dw, dk, None, None, None, None, None, None, None
+        return dq, dw, dk, None, None, None, None, None, None, None, None
+
+
+def _group_size(group) -> int:
+    return group.size() if group is not None and torch.distributed.is_initialized() else 1
+
+
+def _split_rows_backward(ctx, g, q, w, k, indices, row_mask, target):
+    """tp_split_rows: every TP rank holds the whole (duplicated) indexer input and the all-reduced target, but
+    computes the KL and the indexer backward of its own ceil(T / tp) rows only; the loss value is summed over
+    the ranks, dk (fp32) all-reduced, dq / dw rows all-gathered, so every rank returns the full gradients
+    (equal on all ranks, as the duplicated indexer's parameters expect). Per-rank work 1 / tp of the loss."""
+    from ..hytopk.selected_scores import _triton_bwd, _triton_fwd  # noqa: PLC0415
+
+    group = ctx.tp_group
+    rank, size = torch.distributed.get_rank(group), group.size()
+    T = q.shape[0]
+    chunk = -(-T // size)
+    r0, r1 = min(T, rank * chunk), min(T, (rank + 1) * chunk)
+    rows = slice(r0, r1)
+    q_s, w_s, idx_s = q[rows].contiguous(), w[rows].contiguous(), indices[rows].contiguous()
+    mask_s = row_mask[rows] if ctx.has_mask else None
+    value = torch.zeros((), dtype=torch.float32, device=q.device)
+    if r1 > r0:
+        scores = _triton_fwd(q_s, w_s, k, idx_s, ctx.relu)  # [rows, topk] fp32
+        kl, _, _ = _kl.kl_rows(target[rows].contiguous(), scores, idx_s, mask_s, grad_out=scores)
+        value = kl.sum().detach().float()
+        coef = g.float().reshape(1, 1)
+        if ctx.has_mask:
+            coef = coef * mask_s.float().reshape(-1, 1)
+        scores.mul_(coef)
+        dq_s, dw_s, dk = _triton_bwd(q_s, w_s, k, idx_s, scores, ctx.relu, ctx.deterministic)
+    else:  # fewer rows than ranks
+        dq_s, dw_s = q_s.new_zeros(q_s.shape), w_s.new_zeros(w_s.shape)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    del target
+    torch.distributed.all_reduce(value, group=group)
+    if ctx.on_value is not None:
+        ctx.on_value(value)  # kl rows are already row-masked
+    dk = dk.float().contiguous()
+    torch.distributed.all_reduce(dk, group=group)
+    return (_gather_rows(dq_s.to(q.dtype), T, chunk, group), _gather_rows(dw_s.to(w.dtype), T, chunk, group),
+            dk.to(k.dtype))
+
+
+def _gather_rows(x: torch.Tensor, T: int, chunk: int, group) -> torch.Tensor:
+    """The ranks' row slices (each <= chunk rows) concatenated in rank order: [T, ...]."""
+    pad = x.new_zeros((chunk,) + tuple(x.shape[1:]))
+    pad[: x.shape[0]] = x
+    parts = [torch.empty_like(pad) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, pad, group=group)
+    return torch.cat(parts)[:T]
 
 
 def sparse_mla_with_indexer_loss(
@@ -101,6 +156,7 @@ def sparse_mla_with_indexer_loss(
     check_index_range: bool = True,
     bwd_variant: Optional[str] = None,
     bwd_chunk_tokens: Optional[int] = None,
+    tp_split_rows: bool = False,
 ):
     """Sparse MLA attention and the sparse-stage indexer KL loss, its target taken from the attention backward.
 
@@ -113,6 +169,9 @@ def sparse_mla_with_indexer_loss(
             (bf16 / fp32; differentiable), scored as in ``selected_scores`` (``relu``: ReLU activation).
         row_mask: optional [T] (bool / float) weight of each row's KL (padding rows 0).
         tp_group: process group over which heads are sharded (the target is all-reduced), or None.
+        tp_split_rows: with a tp_group of more than one rank, each rank computes the KL and the indexer
+            backward of 1 / tp of the rows (the indexer is duplicated over TP) and the gradients are
+            gathered / summed over the group: every rank gets the full, equal gradients and loss value.
         on_value: called once in the backward with the loss value, fp32 0-d tensor
             sum_t row_mask[t] * KL(normalise(target_t) || softmax(scores_t)).
     Returns:
@@ -144,7 +203,7 @@ def sparse_mla_with_indexer_loss(
     indices = indices.contiguous()
     loss = _DeferredSparseKL.apply(q_idx.contiguous(), w.contiguous(), k_idx.contiguous(), indices,
                                    None if row_mask is None else row_mask.contiguous(), bool(relu),
-                                   bool(deterministic), link, tp_group, on_value)
+                                   bool(deterministic), link, tp_group, on_value, bool(tp_split_rows))
     out, lse = _SparseMLA.apply(q.contiguous(), kv.contiguous(), indices, float(softmax_scale), v_dim,
                                 bool(deterministic), bool(dq_over_q), bwd_variant, bwd_chunk_tokens, link, loss)
     return out, lse, loss
