@@ -273,9 +273,10 @@ def test_scratch_dkv_group_matches(group, deterministic, with_target):
         torch.testing.assert_close(got[1][2], got[0][2], rtol=1e-6, atol=1e-6)
 
 
-def test_fwd_prefetch_default_by_head_block():
-    assert km.fwd_prefetch(None, 64) and not km.fwd_prefetch(None, 16)
-    assert km.fwd_prefetch(True, 16) and not km.fwd_prefetch(False, 64)
+def test_prefetch_flag_defaults():
+    assert km.prefetch_flag(None, True) and not km.prefetch_flag(None, False)
+    assert km.prefetch_flag(True, False) and not km.prefetch_flag(False, True)
+    assert km.FWD_CFG["prefetch_idx"] is None and km.BWD_DQ_CFG["prefetch_idx"] is None
 
 
 def test_unknown_cfg_keys_are_errors():

@@ -96,7 +96,7 @@ def _split_rows_backward(ctx, g, q, w, k, indices, row_mask, target):
     computes the KL and the indexer backward of its own ceil(T / tp) rows only; the loss value is summed over
     the ranks, dk (fp32) all-reduced, dq / dw rows all-gathered, so every rank returns the full gradients
     (equal on all ranks, as the duplicated indexer's parameters expect). Per-rank work 1 / tp of the loss."""
-    from ..hytopk.selected_scores import _triton_bwd, _triton_fwd  # noqa: PLC0415
+    from ..hytopk.selected_scores import _triton_fwd  # noqa: PLC0415
 
     group = ctx.tp_group
     rank, size = torch.distributed.get_rank(group), group.size()
@@ -114,8 +114,8 @@ def _split_rows_backward(ctx, g, q, w, k, indices, row_mask, target):
         coef = g.float().reshape(1, 1)
         if ctx.has_mask:
             coef = coef * mask_s.float().reshape(-1, 1)
-        scores.mul_(coef)
-        dq_s, dw_s, dk = _triton_bwd(q_s, w_s, k, idx_s, scores, ctx.relu, ctx.deterministic)
+        dq_s, dw_s, dk = _kl.kl_score_backward(q_s, w_s, k, idx_s, scores, coef, ctx.relu, ctx.deterministic,
+                                               dk_fp32=True)
     else:  # fewer rows than ranks
         dq_s, dw_s = q_s.new_zeros(q_s.shape), w_s.new_zeros(w_s.shape)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -123,10 +123,8 @@ def _split_rows_backward(ctx, g, q, w, k, indices, row_mask, target):
     torch.distributed.all_reduce(value, group=group)
     if ctx.on_value is not None:
         ctx.on_value(value)  # kl rows are already row-masked
-    dk = dk.float().contiguous()
-    torch.distributed.all_reduce(dk, group=group)
-    return (_gather_rows(dq_s.to(q.dtype), T, chunk, group), _gather_rows(dw_s.to(w.dtype), T, chunk, group),
-            dk.to(k.dtype))
+    torch.distributed.all_reduce(dk, group=group)  # fp32 partial sums of the ranks' rows
+    return _gather_rows(dq_s, T, chunk, group), _gather_rows(dw_s, T, chunk, group), dk.to(k.dtype)
 
 
 def _gather_rows(x: torch.Tensor, T: int, chunk: int, group) -> torch.Tensor:

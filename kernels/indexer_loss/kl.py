@@ -149,9 +149,10 @@ class _SparseKL(torch.autograd.Function):
         return dq, dw, dk, None, None, None, None, None
 
 
-def kl_score_backward(q, w, k, indices, grad, coef, relu: bool, deterministic: bool):
+def kl_score_backward(q, w, k, indices, grad, coef, relu: bool, deterministic: bool, dk_fp32: bool = False):
     """(dq, dw, dk) of the indexer from G = d kl / d scores (fp32 [T, topk], scaled by ``coef`` in place:
-    no second [T, topk] fp32 buffer), through the selected-scores backward kernel."""
+    no second [T, topk] fp32 buffer), through the selected-scores backward kernel. ``dk_fp32``: dk stays
+    fp32 (a partial sum still to be reduced across ranks), else in k's dtype."""
     from ..hytopk.selected_scores import _triton_bwd  # noqa: PLC0415
 
     dq_dtype = q.dtype
@@ -161,7 +162,7 @@ def kl_score_backward(q, w, k, indices, grad, coef, relu: bool, deterministic: b
     over = take_scratch(q)
     dq, dw, dk = _triton_bwd(q, w, k, indices, grad, relu, deterministic, dq_over_q=over)
     del q
-    return dq.to(dq_dtype), dw.to(w.dtype), dk.to(k.dtype)
+    return dq.to(dq_dtype), dw.to(w.dtype), dk if dk_fp32 else dk.to(k.dtype)
 
 
 def sparse_kl(q_idx, w, k_idx, indices, target, row_mask=None, relu: bool = True, deterministic: bool = False):

@@ -522,7 +522,7 @@ FWD_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=True, prefetch_i
 # 110.4 -> 108.9 ms; bit-identical output. None: on for head blocks of more than FEW_HEADS rows only; with
 # one 16-row block (N <= 16) the prefetching forward measured 46.9 ms at 64K (11.5 at 16K) against 34.8
 # (9.2) without it (session 9 vs 10 tables).
-BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2, split_mma=True)
+BWD_DQ_CFG = dict(block_k=32, num_warps=8, num_stages=2, split_mma=True, prefetch_idx=None)
 # split_mma: the chained QK^T / dO V^T tiles split over the two warpgroups instead of both computing all
 # of them (kernels/_split_mma.py); sm_90a compile, 64 heads x 64 keys fwd: 72 -> 36 QK^T wgmma per key tile,
 # smem 221 -> 226 KB, spills 20 -> 32 B; dq (64 x 32, scratch stores): 136 -> 68 wgmma, spills 552 -> 220 B.
@@ -545,7 +545,7 @@ SCRATCH_GROUP_ONE_BLOCK = 8
 # its dq kernel with at most 16 heads (one 16-row M tile): 4 warps, 12.1 ms vs 23.8 with 8 at N = 16;
 # 8 warps above (N = 128: 117.6 vs 138.5 ms with 4)
 FEW_HEADS, BWD_DQ_WARPS_FEW_HEADS = 16, 4
-# dq_cfg prefetch_idx (default: on for the few-heads dq kernel only): index slots a key tile ahead of their
+# dq_cfg prefetch_idx (None: on for the few-heads dq kernel only): index slots a key tile ahead of their
 # gather, as in the forward. With 64-head tiles (8 warps, split) it was slower on the H200 (session 10,
 # T = 16K: N = 64 30.4 -> 33.1 ms, N = 128 61.0 -> 69.2)
 # Scratch budget of the "scratch" variant: P and dS for a chunk of tokens, 2 x [chunk, N, k] in q's dtype.
@@ -573,7 +573,8 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None,
         q, kv, idx, out, lse, softmax_scale * LOG2E, N, n_hb, BLOCK_H=bh,
         BLOCK_K=16 if interp else (block_k or FWD_CFG["block_k"]), **meta,
         SPLIT_MMA=split_flag(FWD_CFG["split_mma"] if split_mma is None else split_mma, interp, bh, nw),
-        PREFETCH_IDX=fwd_prefetch(FWD_CFG["prefetch_idx"] if prefetch_idx is None else prefetch_idx, bh),
+        PREFETCH_IDX=prefetch_flag(FWD_CFG["prefetch_idx"] if prefetch_idx is None else prefetch_idx,
+                                   bh > FEW_HEADS),
         num_warps=nw, num_stages=num_stages or FWD_CFG["num_stages"])
     return out, lse
 
@@ -595,9 +596,10 @@ def check_cfg_keys(name: str, cfg, allowed) -> None:
         raise ValueError(f"sparse_mla_bwd: {name} has unknown key(s) {bad}; known: {list(allowed)}")
 
 
-def fwd_prefetch(prefetch_idx, block_h: int) -> bool:
-    """The forward's PREFETCH_IDX: as given, or (None) on for head blocks of more than FEW_HEADS rows."""
-    return bool(block_h > FEW_HEADS) if prefetch_idx is None else bool(prefetch_idx)
+def prefetch_flag(prefetch_idx, default: bool) -> bool:
+    """A kernel's PREFETCH_IDX: as given, or (None) the measured default for its head block: the forward
+    prefetches with more than FEW_HEADS rows per block, the dq kernel with at most FEW_HEADS."""
+    return bool(default) if prefetch_idx is None else bool(prefetch_idx)
 
 
 def check_bwd_variant(variant, chunk_tokens, split=None, where="sparse_mla_bwd", names=("variant", "chunk_tokens")):
@@ -688,7 +690,7 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, softmax_scale, v_dim, deter
     dq_launch = dict(BLOCK_H=bh, BLOCK_K=16 if interp else c1["block_k"], HAS_DLSE=dlse is not None, **meta,
                      ASM_STORES=bool(c1.get("asm_stores")) and not interp,
                      SPLIT_MMA=split_flag(bool(c1.get("split_mma")), interp, bh, c1["num_warps"]),
-                     PREFETCH_IDX=bool(c1.get("prefetch_idx", bh <= FEW_HEADS)),
+                     PREFETCH_IDX=prefetch_flag(c1["prefetch_idx"], bh <= FEW_HEADS),
                      num_warps=c1["num_warps"], num_stages=c1["num_stages"])
     if variant == "scratch":
         return _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta, deterministic,
