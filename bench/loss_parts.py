@@ -4,9 +4,12 @@ The loss (bench/sparse_attn.py, ~18-19 ms at T = 16K whatever the attention's he
 scores at the k selected keys (`selected_scores` forward), the KL rows, and the backward to the indexer's q,
 w, k (`_triton_bwd`: per query row, S and S^T, dq, dk, fp32 atomics into dk). With few attention heads it is
 40% of the attention (session 10), so its kernels are timed here, one row per variant:
-  * `fwd`: the selected-scores forward, [T, k] fp32;
+  * `fwd`: the selected-scores forward, [T, k] fp32 (one 64-slot block per program; `4 blocks/prog`,
+    `row/prog`: several / all of a row's blocks per program, its q / w loaded once);
+  * `kl rows`: the KL row kernel (lse, KL value, the score gradient);
   * `bwd` / `bwd prefetch idx`: the backward kernel from a given score gradient, without / with the slot
     indices loaded one block ahead of their gather (as the sparse MLA forward since session 10);
+    `dk_t`: dk^T = q^T dS (3 MMAs, all wgmma) instead of a 4th, transposed score MMA; j64 / stages: launch;
   * `bwd deterministic`: the sorted-order dk reduction.
 Median ms (CUDA events, after a warm-up), 20/80 percentiles, TFLOP/s (fwd 2·T·k·H·D, bwd 3x that; the ReLU
 variant's second score MMA not counted), and for the backward variants the largest relative L2 difference of
@@ -42,6 +45,7 @@ import torch  # noqa: E402
 
 from common import append_csv, causal_indices, env_info, markdown_table, rel_err, time_ms  # noqa: E402
 from hyscale_kernels.hytopk import selected_scores as ss  # noqa: E402
+from hyscale_kernels.indexer_loss import kl as klm  # noqa: E402
 
 
 def main():
@@ -58,11 +62,28 @@ def main():
     info = env_info()
     t0 = time.time()
     ref = ss._triton_bwd(q, w, k, idx, grad, True, False)
+    target = torch.rand(T, K, device=dev, generator=g).masked_fill(idx < 0, 0.0)
+    scores = ss._triton_fwd(q, w, k, idx, True)
+    fwd = ss._triton_fwd
+    bwd = ss._triton_bwd
     variants = [
-        ("fwd", lambda: ss._triton_fwd(q, w, k, idx, True), fl, False),
-        ("bwd", lambda: ss._triton_bwd(q, w, k, idx, grad, True, False), 3 * fl, True),
-        ("bwd prefetch idx", lambda: ss._triton_bwd(q, w, k, idx, grad, True, False, prefetch_idx=True), 3 * fl, True),
-        ("bwd deterministic", lambda: ss._triton_bwd(q, w, k, idx, grad, True, True), 3 * fl, True),
+        ("fwd", lambda: fwd(q, w, k, idx, True), fl, False),
+        ("fwd 4 blocks/prog", lambda: fwd(q, w, k, idx, True, blocks_per_prog=4), fl, False),
+        ("fwd row/prog", lambda: fwd(q, w, k, idx, True, blocks_per_prog=0), fl, False),
+        ("fwd row/prog j32", lambda: fwd(q, w, k, idx, True, block_j=32, blocks_per_prog=0), fl, False),
+        ("kl rows", lambda: klm.kl_rows(target, scores, idx, None, grad_out=scores.clone()), 0.0, False),
+        ("bwd", lambda: bwd(q, w, k, idx, grad, True, False), 3 * fl, True),
+        ("bwd prefetch idx", lambda: bwd(q, w, k, idx, grad, True, False, prefetch_idx=True), 3 * fl, True),
+        ("bwd j64", lambda: bwd(q, w, k, idx, grad, True, False, block_j=64), 3 * fl, True),
+        ("bwd j32 2 stages", lambda: bwd(q, w, k, idx, grad, True, False, num_stages=2), 3 * fl, True),
+        ("bwd dk_t", lambda: bwd(q, w, k, idx, grad, True, False, dk_t=True), 3 * fl, True),
+        ("bwd dk_t prefetch idx", lambda: bwd(q, w, k, idx, grad, True, False, dk_t=True, prefetch_idx=True),
+         3 * fl, True),
+        ("bwd dk_t j64", lambda: bwd(q, w, k, idx, grad, True, False, dk_t=True, block_j=64), 3 * fl, True),
+        ("bwd dk_t 2 stages", lambda: bwd(q, w, k, idx, grad, True, False, dk_t=True, num_stages=2), 3 * fl, True),
+        ("bwd dk_t 4 stages", lambda: bwd(q, w, k, idx, grad, True, False, dk_t=True, num_stages=4), 3 * fl, True),
+        ("bwd deterministic", lambda: bwd(q, w, k, idx, grad, True, True), 3 * fl, True),
+        ("bwd dk_t deterministic", lambda: bwd(q, w, k, idx, grad, True, True, dk_t=True), 3 * fl, True),
     ]
     rows = []
     for name, fn, flops, is_bwd in variants:

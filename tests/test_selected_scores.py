@@ -65,6 +65,30 @@ def test_matches_reference_odd_sizes(relu, deterministic):
 
 
 @needs_triton
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bwd_dk_t_matches_reference(relu, deterministic, monkeypatch):
+    """The 3-MMA backward (dk^T = q^T dS) against the reference: odd H / D / K (one partial slot block),
+    padded slots and an empty row, through the public op (forward + backward)."""
+    monkeypatch.setitem(ss_mod.BWD_CFG, "dk_t", True)
+    _compare(T=5, H=3, D=12, S=41, K=37, relu=relu, deterministic=deterministic, seed=7)
+
+
+@needs_triton
+@pytest.mark.parametrize("relu", [True, False])
+def test_fwd_blocks_per_prog_bit_identical(relu):
+    """The forward with several slot blocks per program (q / w loaded once for them; 0 = the whole row) gives
+    the one-block-per-program scores bit for bit: K = 37 over 16-slot blocks (3 blocks; with 2 per program
+    the last program's second block lies past K), padded slots, an empty row."""
+    q, w, k, idx = _case(T=5, H=3, D=12, S=41, K=37, seed=9)
+    got = [ss_mod._triton_fwd(q, w, k, idx, relu, block_j=16, blocks_per_prog=n) for n in (1, 2, 0)]
+    ref = selected_scores_reference(q, w, k, idx, relu=relu)
+    for x in got:
+        assert not torch.isnan(x).any() and torch.equal(x, got[0])
+    torch.testing.assert_close(got[0], ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
 def test_deterministic_is_bitwise_repeatable():
     a = _compare(T=4, H=4, D=16, S=9, K=8, relu=True, deterministic=True, seed=3)
     b = _compare(T=4, H=4, D=16, S=9, K=8, relu=True, deterministic=True, seed=3)
@@ -281,8 +305,11 @@ def test_bf16_bound_holds_for_precision_model_and_catches_bugs():
 @needs_triton
 @pytest.mark.parametrize("relu", [True, False])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_bf16_interpreter_within_bound(relu, deterministic, request):
-    """The Triton kernels on bf16 (the GPU's bf16 semantics in the interpreter) meet the bound."""
+@pytest.mark.parametrize("dk_t", [False, True])
+def test_bf16_interpreter_within_bound(relu, deterministic, dk_t, request, monkeypatch):
+    """The Triton kernels on bf16 (the GPU's bf16 semantics in the interpreter) meet the bound, with the
+    4-MMA and the 3-MMA (dk_t) backward."""
+    monkeypatch.setitem(ss_mod.BWD_CFG, "dk_t", dk_t)
     if INTERP and not HAS_CUDA:
         request.getfixturevalue("bf16_interpreter")
     q, w, k, idx, g = _bf16_case(T=16, S=512, K=512)
@@ -304,9 +331,9 @@ sig = dict(q="*bf16", w="*fp32", k="*bf16", idx="*i32", g="*fp32", dq="*bf16", d
            row0="i32", sc="*bf16", tg="*bf16", r_lse="*bf16", r_tsum="*bf16", r_coef="*bf16", eps="fp32")
 names = list(fn.arg_names)
 attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
-for relu in (True, False):
+for relu, dk_t in ((True, False), (False, False), (True, True), (False, True)):
     const = dict(H=64, D=128, K=2048, RELU=relu, IEEE=False, DETERMINISTIC=False, BLOCK_H=64, BLOCK_D=128,
-                 BLOCK_J=32, KL=False)
+                 BLOCK_J=32, KL=False, DK_T=dk_t)
     ir = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const, attrs),
                         target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ttgir"]
     defs = {m_.group(1): l for l in ir.splitlines() for m_ in [re.match(r"\s*(%%[\w#]+)(?::\d+)? = ", l)] if m_}
@@ -327,7 +354,7 @@ def test_bwd_never_transposes_an_mma_tile_sm90():
     failed at H = 64, D = 128 on an H200 while the same kernel is exact under the interpreter)."""
     out = compile_sm90_in_subprocess(_AOT % os.path.dirname(__file__), timeout=300)
     assert "BAD" not in out, out
-    assert out.count("OK") == 2, out
+    assert out.count("OK") == 4, out
 
 
 @needs_triton
@@ -350,6 +377,15 @@ def test_bwd_prefetch_idx_bit_identical(relu):
 
 
 @pytest.mark.gpu
+def test_gpu_fwd_blocks_per_prog_bit_identical():
+    """bf16, 64 index heads x 128, k = 2048: whole-row forward programs against one block per program."""
+    T, H, D, S, K = 600, 64, 128, 4096, 2048
+    q, w, k, idx = _case(T, H, D, S, K, seed=6, dtype=torch.bfloat16, device="cuda", pad=0.1)
+    a, b = (ss_mod._triton_fwd(q, w, k, idx, True, blocks_per_prog=n) for n in (1, 0))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("relu", [True, False])
 def test_gpu_bwd_prefetch_idx_bit_identical(relu):
     """bf16, 64 index heads x 128, k = 2048: the prefetching backward kernel against the plain one, bit for bit
@@ -364,7 +400,9 @@ def test_gpu_bwd_prefetch_idx_bit_identical(relu):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("relu", [True, False])
-def test_gpu_bf16(relu):
+@pytest.mark.parametrize("dk_t", [False, True])
+def test_gpu_bf16(relu, dk_t, monkeypatch):
+    monkeypatch.setitem(ss_mod.BWD_CFG, "dk_t", dk_t)
     q, w, k, idx, g = _bf16_case(T=512, S=4096, K=2048, device="cuda")
     tru, bd = _truth_and_bounds(q, w, k, idx, g, relu, rows=64)
     for det in (False, True):

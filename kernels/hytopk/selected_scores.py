@@ -82,24 +82,39 @@ def _gather_slots(k, b_idx, j0, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D:
 
 
 @triton.jit
+def _dk_add(dk, b_dkt, b_idx, m_j, o_j, o_d, m_d, i_r, K: tl.constexpr, D: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    """DK_T: add one slot block's dk contributions b_dkt [BLOCK_D, BLOCK_J] (column j is slot j's row):
+    fp32 atomics into dk [S, D] at the slots' key rows, or (DETERMINISTIC) plain stores into row i_r's
+    [K, D] block of the per-slot contribution buffer (reduced in sorted order afterwards)."""
+    if DETERMINISTIC:
+        p_buf = dk + (i_r.to(tl.int64) * K + o_j)[None, :] * D + o_d[:, None]
+        tl.store(p_buf, b_dkt, mask=(o_j < K)[None, :] & m_d[:, None])
+    else:
+        tl.atomic_add(dk + b_idx[None, :] * D + o_d[:, None], b_dkt, mask=m_j[None, :] & m_d[:, None], sem="relaxed")
+
+
+@triton.jit
 def _selected_scores_fwd_kernel(
     q, w, k, idx, out,
     H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, N_BLK: tl.constexpr = 1,
 ):
+    """One program per (row, N_BLK consecutive slot blocks): the row's q / w are loaded once for all of them."""
     i_t = tl.program_id(0)  # query row
-    i_j = tl.program_id(1)  # block of selected slots
+    i_j = tl.program_id(1)  # group of N_BLK slot blocks
     b_q, b_w = _load_row(q, w, i_t, H, D, BLOCK_H, BLOCK_D)
-    b_k, b_idx, m_j, o_j = _gather_keys(k, idx, i_t, i_j * BLOCK_J, K, D, BLOCK_J, BLOCK_D)
-    if IEEE:
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_H, BLOCK_J]
-    else:
-        b_s = tl.dot(b_q, tl.trans(b_k))  # [BLOCK_H, BLOCK_J]
-    if RELU:
-        b_s = tl.maximum(b_s, 0.0)
-    b_o = tl.sum(b_s * b_w[:, None], axis=0)  # [BLOCK_J]
-    b_o = tl.where(m_j, b_o, float("-inf"))
-    tl.store(out + i_t.to(tl.int64) * K + o_j, b_o, mask=o_j < K)
+    for i_b in range(N_BLK):
+        j0 = (i_j * N_BLK + i_b) * BLOCK_J
+        b_k, b_idx, m_j, o_j = _gather_keys(k, idx, i_t, j0, K, D, BLOCK_J, BLOCK_D)
+        if IEEE:
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_H, BLOCK_J]
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k))  # [BLOCK_H, BLOCK_J]
+        if RELU:
+            b_s = tl.maximum(b_s, 0.0)
+        b_o = tl.sum(b_s * b_w[:, None], axis=0)  # [BLOCK_J]
+        b_o = tl.where(m_j, b_o, float("-inf"))
+        tl.store(out + i_t.to(tl.int64) * K + o_j, b_o, mask=o_j < K)
 
 
 @triton.jit
@@ -107,10 +122,11 @@ def _selected_scores_bwd_kernel(
     q, w, k, idx, g, dq, dw, dk, row0, sc, tg, r_lse, r_tsum, r_coef, eps,
     H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, DETERMINISTIC: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, KL: tl.constexpr,
-    PREFETCH_IDX: tl.constexpr = False,
+    PREFETCH_IDX: tl.constexpr = False, DK_T: tl.constexpr = False,
 ):
     """PREFETCH_IDX: each slot block's indices are loaded one block ahead (loop-carried), so the pipelined
-    gather of the next key rows does not wait on a synchronous index load (as the sparse MLA forward)."""
+    gather of the next key rows does not wait on a synchronous index load (as the sparse MLA forward).
+    DK_T: dk from 3 MMAs instead of 4 (see below)."""
     # query row; the program walks all its selected slots (K is constexpr: a static loop, which
     # the interpreter with numpy >= 2.5 needs; topk takes few values per model anyway)
     i_t = tl.program_id(0) + row0
@@ -119,6 +135,8 @@ def _selected_scores_bwd_kernel(
     m_h = o_h < H
     m_d = o_d < D
     b_q, b_w = _load_row(q, w, i_t, H, D, BLOCK_H, BLOCK_D)
+    if DK_T:
+        b_qt = tl.trans(b_q)  # [BLOCK_D, BLOCK_H]: a view of the loaded tile (an MMA operand in shared memory)
     b_dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)  # [BLOCK_H, BLOCK_D]
     b_dw = tl.zeros([BLOCK_H], dtype=tl.float32)  # [BLOCK_H]
     if KL:  # the KL gradient is recomputed per slot, never stored: coef * (softmax * sum(tn) - tn)
@@ -146,12 +164,29 @@ def _selected_scores_bwd_kernel(
         # transposed orientation). Never tl.trans a dS tile (dk = dot(trans(dS), q) did): on Hopper
         # (Triton >= 3.4) that lowers through a #linear / shared-memory transpose of the wgmma
         # accumulator layout, which miscompiled into wrong gradients (cf. fla-org/flash-linear-attention
-        # #640, #984). ReLU pays a 4th small MMA per tile.
+        # #640, #984). ReLU pays a 4th small MMA per tile. DK_T instead computes dk transposed,
+        # dk^T [D, J] = q^T [D, H] @ dS [H, J]: dS is the B operand (stored to shared memory as it is),
+        # q^T a transposed view of the loaded q tile (no MMA result is transposed): 3 MMAs, each with
+        # an M side of >= 64 (H or D), so all can be wgmma on Hopper.
         if IEEE:
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_H, BLOCK_J]
         else:
             b_s = tl.dot(b_q, tl.trans(b_k))  # [BLOCK_H, BLOCK_J]
-        if RELU:
+        if DK_T:
+            if RELU:
+                b_dw += tl.sum(tl.maximum(b_s, 0.0) * b_g[None, :], axis=1)
+                b_ds = tl.where(b_s > 0.0, b_w[:, None] * b_g[None, :], 0.0).to(b_k.dtype)  # [BLOCK_H, BLOCK_J]
+            else:
+                b_dw += tl.sum(b_s * b_g[None, :], axis=1)
+                b_ds = (b_w[:, None] * b_g[None, :]).to(b_k.dtype)  # [BLOCK_H, BLOCK_J]
+            if IEEE:
+                b_dq += tl.dot(b_ds, b_k, input_precision="ieee")
+                b_dkt = tl.dot(b_qt, b_ds, input_precision="ieee")  # [BLOCK_D, BLOCK_J]
+            else:
+                b_dq += tl.dot(b_ds, b_k)
+                b_dkt = tl.dot(b_qt, b_ds)  # [BLOCK_D, BLOCK_J]
+            _dk_add(dk, b_dkt, b_idx, m_j, o_j, o_d, m_d, i_t - row0, K, D, DETERMINISTIC)
+        elif RELU:
             if IEEE:
                 b_st = tl.dot(b_k, tl.trans(b_q), input_precision="ieee")  # [BLOCK_J, BLOCK_H]
             else:
@@ -163,19 +198,21 @@ def _selected_scores_bwd_kernel(
             b_dw += tl.sum(b_s * b_g[None, :], axis=1)
             b_ds = b_w[:, None] * b_g[None, :]  # [BLOCK_H, BLOCK_J]
             b_dst = b_g[:, None] * b_w[None, :]  # [BLOCK_J, BLOCK_H]
-        b_ds = b_ds.to(b_k.dtype)
-        b_dst = b_dst.to(b_k.dtype)
-        if IEEE:
-            b_dq += tl.dot(b_ds, b_k, input_precision="ieee")
-            b_dk = tl.dot(b_dst, b_q, input_precision="ieee")  # [BLOCK_J, BLOCK_D]
-        else:
-            b_dq += tl.dot(b_ds, b_k)
-            b_dk = tl.dot(b_dst, b_q)  # [BLOCK_J, BLOCK_D]
-        if DETERMINISTIC:  # per-slot contributions of this row chunk, reduced in sorted order later
-            p_buf = dk + ((i_t - row0).to(tl.int64) * K + o_j)[:, None] * D + o_d[None, :]
-            tl.store(p_buf, b_dk, mask=(o_j < K)[:, None] & m_d[None, :])
-        else:
-            tl.atomic_add(dk + b_idx[:, None] * D + o_d[None, :], b_dk, mask=m_j[:, None] & m_d[None, :], sem="relaxed")
+        if not DK_T:
+            b_ds = b_ds.to(b_k.dtype)
+            b_dst = b_dst.to(b_k.dtype)
+            if IEEE:
+                b_dq += tl.dot(b_ds, b_k, input_precision="ieee")
+                b_dk = tl.dot(b_dst, b_q, input_precision="ieee")  # [BLOCK_J, BLOCK_D]
+            else:
+                b_dq += tl.dot(b_ds, b_k)
+                b_dk = tl.dot(b_dst, b_q)  # [BLOCK_J, BLOCK_D]
+            if DETERMINISTIC:  # per-slot contributions of this row chunk, reduced in sorted order later
+                p_buf = dk + ((i_t - row0).to(tl.int64) * K + o_j)[:, None] * D + o_d[None, :]
+                tl.store(p_buf, b_dk, mask=(o_j < K)[:, None] & m_d[None, :])
+            else:
+                tl.atomic_add(dk + b_idx[:, None] * D + o_d[None, :], b_dk, mask=m_j[:, None] & m_d[None, :],
+                              sem="relaxed")
     row = i_t.to(tl.int64)
     tl.store(dq + row * H * D + o_h[:, None] * D + o_d[None, :], b_dq, mask=m_h[:, None] & m_d[None, :])
     tl.store(dw + row * H + o_h, b_dw, mask=m_h)
@@ -190,24 +227,35 @@ def _blocks(H: int, D: int):
     return max(16, triton.next_power_of_2(H)), max(16, triton.next_power_of_2(D))
 
 
-def _triton_fwd(q, w, k, idx, relu: bool, block_j: int = 64):
+FWD_CFG = dict(block_j=64, blocks_per_prog=1, num_warps=4, num_stages=3)  # blocks_per_prog: session 11
+
+
+def _triton_fwd(q, w, k, idx, relu: bool, block_j: int | None = None, blocks_per_prog: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None):
+    """blocks_per_prog: slot blocks of block_j per program (q / w loaded once per program); 0 = a whole row."""
     T, H, D = q.shape
     K = idx.shape[1]
     out = _alloc(T, K, dtype=torch.float32, device=q.device)
     if T == 0 or K == 0:
         return out
     BLOCK_H, BLOCK_D = _blocks(H, D)
-    grid = (T, triton.cdiv(K, block_j))
+    block_j = block_j or FWD_CFG["block_j"]
+    n_blk = FWD_CFG["blocks_per_prog"] if blocks_per_prog is None else blocks_per_prog
+    n_blk = min(n_blk, triton.cdiv(K, block_j)) if n_blk > 0 else triton.cdiv(K, block_j)
+    grid = (T, triton.cdiv(K, block_j * n_blk))
     _selected_scores_fwd_kernel[grid](q, w, k, idx, out, H, D, K, RELU=relu, IEEE=q.dtype == torch.float32,
-                                      BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_J=block_j)
+                                      BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_J=block_j, N_BLK=n_blk,
+                                      num_warps=num_warps or FWD_CFG["num_warps"],
+                                      num_stages=num_stages or FWD_CFG["num_stages"])
     return out
 
 
-BWD_CFG = dict(block_j=32, prefetch_idx=False)  # prefetch_idx: session 10, CPU-tested, not yet timed
+BWD_CFG = dict(block_j=32, prefetch_idx=False, num_warps=4, num_stages=3, dk_t=False)  # prefetch_idx: session 10; dk_t: session 11
 
 
 def _triton_bwd(q, w, k, idx, g, relu: bool, deterministic: bool, block_j: int | None = None,
-                buf_elems: int = 1 << 26, kl=None, dq_over_q: bool = False, prefetch_idx: bool | None = None):
+                buf_elems: int = 1 << 26, kl=None, dq_over_q: bool = False, prefetch_idx: bool | None = None,
+                num_warps: int | None = None, num_stages: int | None = None, dk_t: bool | None = None):
     """``kl=(scores, target, lse, tsum, coef)``: take g from the fused KL (``indexer_loss.kl``) instead of
     a stored gradient tensor (``g`` is then None). ``dq_over_q``: write dq into q's own storage (the
     caller owns q and no longer needs it: a recomputed q; saves a [T, H, D] buffer, 16 GiB at 1M x 64
@@ -227,7 +275,9 @@ def _triton_bwd(q, w, k, idx, g, relu: bool, deterministic: bool, block_j: int |
     BLOCK_H, BLOCK_D = _blocks(H, D)
     meta = dict(RELU=relu, IEEE=q.dtype == torch.float32, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
                 BLOCK_J=block_j or BWD_CFG["block_j"], KL=kl is not None,
-                PREFETCH_IDX=bool(BWD_CFG["prefetch_idx"] if prefetch_idx is None else prefetch_idx))
+                PREFETCH_IDX=bool(BWD_CFG["prefetch_idx"] if prefetch_idx is None else prefetch_idx),
+                DK_T=bool(BWD_CFG["dk_t"] if dk_t is None else dk_t),
+                num_warps=num_warps or BWD_CFG["num_warps"], num_stages=num_stages or BWD_CFG["num_stages"])
     if kl is None:
         z = dq
         kl_args = (z, z, z, z, z, 0.0)
