@@ -328,7 +328,8 @@ from triton.compiler import ASTSource
 from hyscale_kernels.hytopk import selected_scores as m
 fn = m._selected_scores_bwd_kernel
 sig = dict(q="*bf16", w="*fp32", k="*bf16", idx="*i32", g="*fp32", dq="*bf16", dw="*fp32", dk="*fp32",
-           row0="i32", sc="*bf16", tg="*bf16", r_lse="*bf16", r_tsum="*bf16", r_coef="*bf16", eps="fp32")
+           row0="i32", sc="*bf16", tg="*bf16", r_lse="*bf16", r_tsum="*bf16", r_coef="*bf16", eps="fp32",
+           r_kl="*fp32")
 names = list(fn.arg_names)
 attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
 for relu, dk_t in ((True, False), (False, False), (True, True), (False, True)):
