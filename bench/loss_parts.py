@@ -11,10 +11,11 @@ w, k (`_triton_bwd`: per query row, S and S^T, dq, dk, fp32 atomics into dk). Wi
     indices loaded one block ahead of their gather (as the sparse MLA forward since session 10);
     `dk_t`: dk^T = q^T dS (3 MMAs, all wgmma) instead of a 4th, transposed score MMA; j64 / stages: launch;
   * `bwd deterministic`: the sorted-order dk reduction;
+  * `fwd + kl epilogue`: the forward with the KL rows in its epilogue (value, coef-scaled gradient);
   * `loss unfused`: what the deferred loss's backward ran until session 11 (forward, kl_rows, backward from the
-    stored gradient); `loss fused`: `kl.kl_fused_backward`, the whole KL in one kernel (a scoring pass per row,
-    then the backward pass); `TP4 rank`: the same on one tensor-parallel rank's quarter of the rows
-    (`tp_split_rows`: the kernels of one rank, without the gradient all-gather).
+    stored gradient); `loss fused`: `kl.kl_fused_backward` (the forward with the KL epilogue, then the backward);
+    `TP4 rank`: the same on one tensor-parallel rank's quarter of the rows (`tp_split_rows`: the kernels of
+    one rank, without the gradient all-gather).
 Median ms (CUDA events, after a warm-up), 20/80 percentiles, TFLOP/s (fwd 2·T·k·H·D, bwd 3x that; the ReLU
 variant's second score MMA not counted), and for the backward variants the largest relative L2 difference of
 dq / dw / dk against `bwd`. Random bf16 data, causal duplicate-free indices, signed head weights, ReLU.
@@ -65,7 +66,7 @@ def main():
     fl = 2.0 * T * K * H * D
     info = env_info()
     t0 = time.time()
-    ref = ss._triton_bwd(q, w, k, idx, grad, True, False)
+    ref = ss._triton_bwd(q, w, k, idx, grad, True, False)  # the default launch
     target = torch.rand(T, K, device=dev, generator=g).masked_fill(idx < 0, 0.0)
     scores = ss._triton_fwd(q, w, k, idx, True)
     fwd = ss._triton_fwd
@@ -73,37 +74,37 @@ def main():
     coef = torch.full((T,), 0.01, device=dev)
     kl_out = torch.empty(T, device=dev)
 
-    def unfused(rows=slice(None), **kw):  # the deferred loss's backward until session 11
-        sc = fwd(q[rows], w[rows], k, idx[rows], True, blocks_per_prog=kw.pop("blocks_per_prog", None))
+    def unfused(rows=slice(None)):  # the deferred loss's backward until session 11
+        sc = fwd(q[rows], w[rows], k, idx[rows], True)
         klm.kl_rows(target[rows], sc, idx[rows], None, grad_out=sc)
         return klm.kl_score_backward(q[rows], w[rows], k, idx[rows], sc, coef[rows].reshape(-1, 1), True, False)
 
-    def fused(rows=slice(None), **kw):  # one kernel: kl.kl_fused_backward
-        return bwd(q[rows], w[rows], k, idx[rows], None, True, False, kl_fwd=(target[rows], coef[rows], kl_out[rows]),
-                   **kw)
+    def fused(rows=slice(None)):  # kl.kl_fused_backward: the KL rows in the forward kernel's epilogue
+        return klm.kl_fused_backward(q[rows], w[rows], k, idx[rows], target[rows], coef[rows], True, False)
 
     tp4 = slice(T - T // 4, T)  # one TP-4 rank's rows under tp_split_rows (the last quarter: every row full)
     variants = [
-        ("fwd", lambda: fwd(q, w, k, idx, True, blocks_per_prog=1), fl, False),
-        ("fwd 4 blocks/prog", lambda: fwd(q, w, k, idx, True, blocks_per_prog=4), fl, False),
-        ("fwd row/prog", lambda: fwd(q, w, k, idx, True, blocks_per_prog=0), fl, False),
+        ("fwd 1 block/prog", lambda: fwd(q, w, k, idx, True, blocks_per_prog=1), fl, False),
+        ("fwd row/prog", lambda: fwd(q, w, k, idx, True, blocks_per_prog=0, prefetch_idx=False), fl, False),
+        ("fwd row/prog prefetch idx", lambda: fwd(q, w, k, idx, True, blocks_per_prog=0, prefetch_idx=True), fl,
+         False),
         ("kl rows", lambda: klm.kl_rows(target, scores, idx, None, grad_out=scores.clone()), 0.0, False),
-        ("bwd j32 4 MMAs", lambda: bwd(q, w, k, idx, grad, True, False, block_j=32, dk_t=False), 3 * fl, True),
-        ("bwd j64 4 MMAs", lambda: bwd(q, w, k, idx, grad, True, False, block_j=64, dk_t=False), 3 * fl, True),
-        ("bwd dk_t j32", lambda: bwd(q, w, k, idx, grad, True, False, block_j=32, dk_t=True), 3 * fl, True),
-        ("bwd dk_t j64", lambda: bwd(q, w, k, idx, grad, True, False, block_j=64, dk_t=True), 3 * fl, True),
+        ("fwd + kl epilogue", lambda: fwd(q, w, k, idx, True, kl=(target, coef, kl_out)), fl, False),
+        ("fwd + kl epilogue prefetch idx", lambda: fwd(q, w, k, idx, True, prefetch_idx=True,
+                                                       kl=(target, coef, kl_out)), fl, False),
+        ("bwd j32 4 MMAs (session 10)", lambda: bwd(q, w, k, idx, grad, True, False, block_j=32, dk_t=False,
+                                                    prefetch_idx=False), 3 * fl, True),
+        ("bwd dk_t j64", lambda: bwd(q, w, k, idx, grad, True, False, block_j=64, dk_t=True, prefetch_idx=False),
+         3 * fl, True),
         ("bwd dk_t j64 prefetch idx", lambda: bwd(q, w, k, idx, grad, True, False, block_j=64, dk_t=True,
                                                   prefetch_idx=True), 3 * fl, True),
-        ("bwd dk_t j32 prefetch idx", lambda: bwd(q, w, k, idx, grad, True, False, block_j=32, dk_t=True,
-                                                  prefetch_idx=True), 3 * fl, True),
-        ("bwd deterministic", lambda: bwd(q, w, k, idx, grad, True, True), 3 * fl, True),
+        ("bwd dk_t j64 prefetch idx 2 stages", lambda: bwd(q, w, k, idx, grad, True, False, block_j=64, dk_t=True,
+                                                           prefetch_idx=True, num_stages=2), 3 * fl, True),
+        ("bwd deterministic (default: j32)", lambda: bwd(q, w, k, idx, grad, True, True), 3 * fl, True),
         ("loss unfused (fwd + kl rows + bwd)", lambda: unfused(), 4 * fl, False),
-        ("loss fused j64", lambda: fused(block_j=64), 4 * fl, False),
-        ("loss fused j32", lambda: fused(block_j=32), 4 * fl, False),
-        ("loss fused j64 prefetch idx", lambda: fused(block_j=64, prefetch_idx=True), 4 * fl, False),
-        ("loss fused j32 prefetch idx", lambda: fused(block_j=32, prefetch_idx=True), 4 * fl, False),
+        ("loss fused (fwd with kl + bwd)", lambda: fused(), 4 * fl, False),
         ("TP4 rank: loss unfused", lambda: unfused(tp4), fl, False),
-        ("TP4 rank: loss fused (default)", lambda: fused(tp4), fl, False),
+        ("TP4 rank: loss fused", lambda: fused(tp4), fl, False),
     ]
     rows = []
     for name, fn, flops, is_bwd in variants:

@@ -1,4 +1,4 @@
-"""kl.kl_fused_backward (one kernel: selected scores, lse, KL value and indexer gradients) against the
+"""kl.kl_fused_backward (the KL rows in the selected-scores forward kernel, then the backward) against the
 unfused path it replaces (selected-scores forward + kl_rows + the backward from the stored gradient) and
 against autograd through the plain-PyTorch reference. CPU: Triton interpreter, tiny odd shapes (fp32);
 GPU: bf16 at a real shape."""
@@ -71,11 +71,14 @@ def _reference(q, w, k, idx, target, coef, relu):
 @pytest.mark.parametrize("relu", [True, False])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("dk_t", [False, True])
-def test_fused_matches_unfused_and_reference(relu, deterministic, dk_t, monkeypatch):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fused_matches_unfused_and_reference(relu, deterministic, dk_t, prefetch, monkeypatch):
     """Odd H / D, K = 37 over 16-slot blocks (a partial block), padding, an empty row, a one-key row, a row
-    with a zero target, a masked (coef 0) row."""
+    with a zero target, a masked (coef 0) row; the forward's index prefetch off / on."""
     monkeypatch.setitem(ss_mod.BWD_CFG, "dk_t", dk_t)
     monkeypatch.setitem(ss_mod.BWD_CFG, "block_j", 16)
+    monkeypatch.setitem(ss_mod.FWD_CFG, "block_j", 16)
+    monkeypatch.setitem(ss_mod.FWD_CFG, "prefetch_idx", prefetch)
     q, w, k, idx, target, rows = _case(T=6, H=3, D=12, S=41, K=37, seed=2)
     coef = 0.7 * rows
     got = kl_mod.kl_fused_backward(q, w, k, idx, target, coef, relu, deterministic)

@@ -95,17 +95,35 @@ def _dk_add(dk, b_dkt, b_idx, m_j, o_j, o_d, m_d, i_r, K: tl.constexpr, D: tl.co
 
 @triton.jit
 def _selected_scores_fwd_kernel(
-    q, w, k, idx, out,
+    q, w, k, idx, out, tg, r_coef, r_kl, eps,
     H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, N_BLK: tl.constexpr = 1,
+    PREFETCH_IDX: tl.constexpr = False, KL: tl.constexpr = False,
 ):
-    """One program per (row, N_BLK consecutive slot blocks): the row's q / w are loaded once for all of them."""
+    """One program per (row, N_BLK consecutive slot blocks): the row's q / w are loaded once for all of them.
+
+    PREFETCH_IDX: each block's slot indices are loaded a block ahead of their gather (as the backward).
+    KL (N_BLK covering the whole row): the sparse KL's row work in an epilogue: the row's lse and target sum
+    (online, during the scoring loop), then a second pass over its stored scores (just written: L2) writes
+    the scaled KL gradient G = coef * (softmax * sum(tn) - tn) over them (0 at padding) and the row's KL
+    value to r_kl (unmasked); what kl_rows and the scaling of its output did in two more kernels."""
     i_t = tl.program_id(0)  # query row
     i_j = tl.program_id(1)  # group of N_BLK slot blocks
+    row = i_t.to(tl.int64) * K
     b_q, b_w = _load_row(q, w, i_t, H, D, BLOCK_H, BLOCK_D)
+    if KL:
+        b_ts = tl.zeros([BLOCK_J], dtype=tl.float32)  # [BLOCK_J] target sum
+        b_m = tl.full([BLOCK_J], float("-inf"), dtype=tl.float32)  # [BLOCK_J] running max / sum-exp
+        b_l = tl.zeros([BLOCK_J], dtype=tl.float32)
+    b_idx_next = _load_slots(idx, i_t, i_j * N_BLK * BLOCK_J, K, BLOCK_J)  # [BLOCK_J] (PREFETCH_IDX)
     for i_b in range(N_BLK):
         j0 = (i_j * N_BLK + i_b) * BLOCK_J
-        b_k, b_idx, m_j, o_j = _gather_keys(k, idx, i_t, j0, K, D, BLOCK_J, BLOCK_D)
+        if PREFETCH_IDX:
+            b_idx_cur = b_idx_next
+            b_idx_next = _load_slots(idx, i_t, j0 + BLOCK_J, K, BLOCK_J)  # -1 past the row: no gather
+            b_k, b_idx, m_j, o_j = _gather_slots(k, b_idx_cur, j0, D, BLOCK_J, BLOCK_D)
+        else:
+            b_k, b_idx, m_j, o_j = _gather_keys(k, idx, i_t, j0, K, D, BLOCK_J, BLOCK_D)
         if IEEE:
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_H, BLOCK_J]
         else:
@@ -114,52 +132,54 @@ def _selected_scores_fwd_kernel(
             b_s = tl.maximum(b_s, 0.0)
         b_o = tl.sum(b_s * b_w[:, None], axis=0)  # [BLOCK_J]
         b_o = tl.where(m_j, b_o, float("-inf"))
-        tl.store(out + i_t.to(tl.int64) * K + o_j, b_o, mask=o_j < K)
+        tl.store(out + row + o_j, b_o, mask=o_j < K)
+        if KL:
+            b_ts += tl.load(tg + row + o_j, mask=m_j, other=0.0)
+            m_new = tl.maximum(b_m, b_o)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            b_l = b_l * tl.exp(b_m - m_safe) + tl.exp(b_o - m_safe)
+            b_m = m_new
+    if KL:
+        _kl_epilogue(out, tg, idx, r_coef, r_kl, eps, i_t, b_ts, b_m, b_l, K, BLOCK_J, N_BLK)
 
 
 @triton.jit
-def _row_scores_lse(q_row, b_w, k, idx, sc, tg, i_t, K: tl.constexpr, D: tl.constexpr, RELU: tl.constexpr,
-                    IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr):
-    """KL_FWD's first pass over row i_t's slots: its selected scores into sc (fp32, -inf at padding, as the
-    forward kernel) and (lse over its valid slots, sum of its raw target); online max / sum-exp as kl_rows."""
-    b_ts = tl.zeros([BLOCK_J], dtype=tl.float32)
-    b_m = tl.full([BLOCK_J], -float("inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_J], dtype=tl.float32)
-    for j0 in range(0, K, BLOCK_J):
-        b_k, b_idx, m_j, o_j = _gather_keys(k, idx, i_t, j0, K, D, BLOCK_J, BLOCK_D)
-        if IEEE:
-            b_s = tl.dot(q_row, tl.trans(b_k), input_precision="ieee")  # [BLOCK_H, BLOCK_J]
-        else:
-            b_s = tl.dot(q_row, tl.trans(b_k))  # [BLOCK_H, BLOCK_J]
-        if RELU:
-            b_s = tl.maximum(b_s, 0.0)
-        b_o = tl.where(m_j, tl.sum(b_s * b_w[:, None], axis=0), -float("inf"))  # [BLOCK_J]
-        tl.store(sc + i_t.to(tl.int64) * K + o_j, b_o, mask=o_j < K)
-        b_ts += tl.load(tg + i_t.to(tl.int64) * K + o_j, mask=m_j, other=0.0)
-        m_new = tl.maximum(b_m, b_o)
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        b_l = b_l * tl.exp(b_m - m_safe) + tl.exp(b_o - m_safe)
-        b_m = m_new
+def _kl_epilogue(out, tg, idx, r_coef, r_kl, eps, i_t, b_ts, b_m, b_l, K: tl.constexpr, BLOCK_J: tl.constexpr,
+                 N_BLK: tl.constexpr):
+    """KL of row i_t from its stored scores (out) and raw target: G (scaled by coef[i_t]) over the scores,
+    the KL value into r_kl[i_t]. b_ts / b_m / b_l [BLOCK_J]: the scoring loop's target sums, max, sum-exp."""
+    row = i_t.to(tl.int64) * K
     m = tl.max(b_m, axis=0)
-    m_safe = tl.where(m == -float("inf"), 0.0, m)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
     lse = m_safe + tl.log(tl.maximum(tl.sum(b_l * tl.exp(b_m - m_safe), axis=0), 1e-30))
-    return lse, tl.sum(b_ts, axis=0)
+    tsum = tl.sum(b_ts, axis=0)
+    den = tl.maximum(tsum, eps)
+    tnsum = tsum / den
+    coef = tl.load(r_coef + i_t)
+    b_kl = tl.zeros([BLOCK_J], dtype=tl.float32)  # [BLOCK_J] the row's KL terms
+    tl.debug_barrier()  # the row's scores, stored by other threads of this program, visible
+    for i_b in range(N_BLK):
+        o_j = i_b * BLOCK_J + tl.arange(0, BLOCK_J)
+        m_o = o_j < K
+        m_j = tl.load(idx + row + o_j, mask=m_o, other=-1) >= 0  # [BLOCK_J] valid slots
+        b_sc = tl.load(out + row + o_j, mask=m_j, other=0.0)
+        b_tn = tl.load(tg + row + o_j, mask=m_j, other=0.0) / den
+        b_kl += tl.where(m_j, b_tn * (tl.log(tl.maximum(b_tn, eps)) - (b_sc - lse)), 0.0)
+        b_g = tl.where(m_j, coef * (tl.exp(b_sc - lse) * tnsum - b_tn), 0.0)
+        tl.store(out + row + o_j, b_g, mask=m_o)
+    tl.store(r_kl + i_t, tl.sum(b_kl, axis=0))
 
 
 @triton.jit
 def _selected_scores_bwd_kernel(
-    q, w, k, idx, g, dq, dw, dk, row0, sc, tg, r_lse, r_tsum, r_coef, eps, r_kl,
+    q, w, k, idx, g, dq, dw, dk, row0, sc, tg, r_lse, r_tsum, r_coef, eps,
     H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, DETERMINISTIC: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, KL: tl.constexpr,
-    PREFETCH_IDX: tl.constexpr = False, DK_T: tl.constexpr = False, KL_FWD: tl.constexpr = False,
+    PREFETCH_IDX: tl.constexpr = False, DK_T: tl.constexpr = False,
 ):
     """PREFETCH_IDX: each slot block's indices are loaded one block ahead (loop-carried), so the pipelined
     gather of the next key rows does not wait on a synchronous index load (as the sparse MLA forward).
-    DK_T: dk from 3 MMAs instead of 4 (see below).
-    KL_FWD (with KL): the whole sparse KL in one kernel. A first pass over the row's slots computes its
-    selected scores (into sc, scratch), lse and target sum; the main pass takes g from them and also sums
-    the row's KL value into r_kl [T] (unmasked). Replaces the forward kernel, kl_rows and the scaling of a
-    stored gradient; while one program scores, others run their atomics (the backward's bound)."""
+    DK_T: dk from 3 MMAs instead of 4 (see below)."""
     # query row; the program walks all its selected slots (K is constexpr: a static loop, which
     # the interpreter with numpy >= 2.5 needs; topk takes few values per model anyway)
     i_t = tl.program_id(0) + row0
@@ -173,12 +193,8 @@ def _selected_scores_bwd_kernel(
     b_dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)  # [BLOCK_H, BLOCK_D]
     b_dw = tl.zeros([BLOCK_H], dtype=tl.float32)  # [BLOCK_H]
     if KL:  # the KL gradient is recomputed per slot, never stored: coef * (softmax * sum(tn) - tn)
-        if KL_FWD:
-            k_lse, k_tsum = _row_scores_lse(b_q, b_w, k, idx, sc, tg, i_t, K, D, RELU, IEEE, BLOCK_D, BLOCK_J)
-            b_kl = tl.zeros([BLOCK_J], dtype=tl.float32)  # [BLOCK_J] the row's KL terms
-        else:
-            k_lse = tl.load(r_lse + i_t)
-            k_tsum = tl.load(r_tsum + i_t)
+        k_lse = tl.load(r_lse + i_t)
+        k_tsum = tl.load(r_tsum + i_t)
         k_den = tl.maximum(k_tsum, eps)
         k_tnsum = k_tsum / k_den
         k_coef = tl.load(r_coef + i_t)
@@ -194,8 +210,6 @@ def _selected_scores_bwd_kernel(
             b_sc = tl.load(sc + i_t.to(tl.int64) * K + o_j, mask=m_j, other=0.0)
             b_tn = tl.load(tg + i_t.to(tl.int64) * K + o_j, mask=m_j, other=0.0) / k_den
             b_g = tl.where(m_j, k_coef * (tl.exp(b_sc - k_lse) * k_tnsum - b_tn), 0.0)  # [BLOCK_J]
-            if KL_FWD:
-                b_kl += tl.where(m_j, b_tn * (tl.log(tl.maximum(b_tn, eps)) - (b_sc - k_lse)), 0.0)
         else:
             b_g = tl.load(g + i_t.to(tl.int64) * K + o_j, mask=m_j, other=0.0)  # [BLOCK_J]
         # dq takes dS [H, J] and dk takes dS^T [J, H], each built in its own orientation and fed to
@@ -255,9 +269,6 @@ def _selected_scores_bwd_kernel(
     row = i_t.to(tl.int64)
     tl.store(dq + row * H * D + o_h[:, None] * D + o_d[None, :], b_dq, mask=m_h[:, None] & m_d[None, :])
     tl.store(dw + row * H + o_h, b_dw, mask=m_h)
-    if KL:
-        if KL_FWD:
-            tl.store(r_kl + i_t, tl.sum(b_kl, axis=0))
 
 
 def _alloc(*shape, dtype, device):
@@ -270,41 +281,54 @@ def _blocks(H: int, D: int):
 
 
 # blocks_per_prog 0 (a whole row per program, q / w loaded once): H200 16K, 64 x 128, k 2048: 3.58 -> 2.50 ms (s. 11)
-FWD_CFG = dict(block_j=64, blocks_per_prog=0, num_warps=4, num_stages=3)
+FWD_CFG = dict(block_j=64, blocks_per_prog=0, num_warps=4, num_stages=3, prefetch_idx=False)
 
 
 def _triton_fwd(q, w, k, idx, relu: bool, block_j: int | None = None, blocks_per_prog: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None):
-    """blocks_per_prog: slot blocks of block_j per program (q / w loaded once per program); 0 = a whole row."""
+                num_warps: int | None = None, num_stages: int | None = None, prefetch_idx: bool | None = None,
+                kl=None):
+    """blocks_per_prog: slot blocks of block_j per program (q / w loaded once per program); 0 = a whole row.
+    ``kl=(target, coef, kl_out)`` (fp32 [T, topk], [T], [T]): a whole row per program, and the returned
+    tensor holds coef * dKL/dscores instead of the scores (see the kernel's KL); kl_out the rows' KL."""
     T, H, D = q.shape
     K = idx.shape[1]
     out = _alloc(T, K, dtype=torch.float32, device=q.device)
     if T == 0 or K == 0:
+        if kl is not None:
+            kl[2].zero_()
         return out
     BLOCK_H, BLOCK_D = _blocks(H, D)
     block_j = block_j or FWD_CFG["block_j"]
     n_blk = FWD_CFG["blocks_per_prog"] if blocks_per_prog is None else blocks_per_prog
+    if kl is not None:
+        n_blk = 0
     n_blk = min(n_blk, triton.cdiv(K, block_j)) if n_blk > 0 else triton.cdiv(K, block_j)
     grid = (T, triton.cdiv(K, block_j * n_blk))
-    _selected_scores_fwd_kernel[grid](q, w, k, idx, out, H, D, K, RELU=relu, IEEE=q.dtype == torch.float32,
+    if kl is None:
+        kl_args = (out, out, out, 0.0)
+    else:
+        from ..indexer_loss.kl import EPS  # noqa: PLC0415
+
+        kl_args = (*kl, EPS)
+    _selected_scores_fwd_kernel[grid](q, w, k, idx, out, *kl_args, H, D, K, RELU=relu, IEEE=q.dtype == torch.float32,
                                       BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_J=block_j, N_BLK=n_blk,
+                                      PREFETCH_IDX=bool(FWD_CFG["prefetch_idx"] if prefetch_idx is None else prefetch_idx),
+                                      KL=kl is not None,
                                       num_warps=num_warps or FWD_CFG["num_warps"],
                                       num_stages=num_stages or FWD_CFG["num_stages"])
     return out
 
 
-# dk_t + 64-slot blocks: H200 16K, 64 x 128, k 2048: 11.89 -> 7.25 ms (session 11; bench/loss_parts.py)
-BWD_CFG = dict(block_j=64, prefetch_idx=False, num_warps=4, num_stages=3, dk_t=True)
+# H200 16K, 64 x 128 index heads, k 2048 (session 11, bench/loss_parts.py): dk_t + 64-slot blocks 11.89 -> 7.33 ms,
+# + prefetch_idx 6.69 ms; deterministic: 32-slot blocks (dk_t: 33.8 ms vs 45.8 with 64)
+BWD_CFG = dict(block_j=64, block_j_det=32, prefetch_idx=True, num_warps=4, num_stages=3, dk_t=True)
 
 
 def _triton_bwd(q, w, k, idx, g, relu: bool, deterministic: bool, block_j: int | None = None,
                 buf_elems: int = 1 << 26, kl=None, dq_over_q: bool = False, prefetch_idx: bool | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, dk_t: bool | None = None,
-                kl_fwd=None):
+                num_warps: int | None = None, num_stages: int | None = None, dk_t: bool | None = None):
     """``kl=(scores, target, lse, tsum, coef)``: take g from the fused KL (``indexer_loss.kl``) instead of
-    a stored gradient tensor (``g`` is then None). ``kl_fwd=(target, coef, kl_out)``: the whole KL in this
-    kernel (KL_FWD): scores, lse and target sums computed here (fp32 [T, topk] scratch), the rows' unmasked
-    KL values written to ``kl_out`` (fp32 [T]); ``g`` is then None too. ``dq_over_q``: write dq into q's own storage (the
+    a stored gradient tensor (``g`` is then None). ``dq_over_q``: write dq into q's own storage (the
     caller owns q and no longer needs it: a recomputed q; saves a [T, H, D] buffer, 16 GiB at 1M x 64
     x 128). Safe because each program loads its query row once, before the slot loop, and is the only
     one to read or write that row."""
@@ -321,25 +345,18 @@ def _triton_bwd(q, w, k, idx, g, relu: bool, deterministic: bool, block_j: int |
         return dq, dw, dk
     BLOCK_H, BLOCK_D = _blocks(H, D)
     meta = dict(RELU=relu, IEEE=q.dtype == torch.float32, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                BLOCK_J=block_j or BWD_CFG["block_j"], KL=kl is not None,
+                BLOCK_J=block_j or BWD_CFG["block_j_det" if deterministic else "block_j"], KL=kl is not None,
                 PREFETCH_IDX=bool(BWD_CFG["prefetch_idx"] if prefetch_idx is None else prefetch_idx),
-                DK_T=bool(BWD_CFG["dk_t"] if dk_t is None else dk_t), KL_FWD=kl_fwd is not None,
+                DK_T=bool(BWD_CFG["dk_t"] if dk_t is None else dk_t),
                 num_warps=num_warps or BWD_CFG["num_warps"], num_stages=num_stages or BWD_CFG["num_stages"])
-    z = dq
-    if kl is not None and kl_fwd is not None:
-        raise ValueError("selected_scores._triton_bwd: give kl or kl_fwd, not both")
-    if kl is not None or kl_fwd is not None:
-        from ..indexer_loss.kl import EPS  # noqa: PLC0415
-    if kl_fwd is not None:
-        target, coef, kl_out = kl_fwd
-        g = torch.empty(T, K, dtype=torch.float32, device=q.device)  # the scores (scratch)
-        kl_args = (g, target, z, z, coef, EPS, kl_out)
-        meta["KL"] = True
-    elif kl is not None:
-        g = kl[0]
-        kl_args = (*kl, EPS, z)
+    if kl is None:
+        z = dq
+        kl_args = (z, z, z, z, z, 0.0)
     else:
-        kl_args = (z, z, z, z, z, 0.0, z)
+        from ..indexer_loss.kl import EPS  # noqa: PLC0415
+
+        g = kl[0]
+        kl_args = (*kl, EPS)
     if not deterministic:
         _selected_scores_bwd_kernel[(T,)](q, w, k, idx, g, dq, dw, dk, 0, *kl_args, H, D, K, DETERMINISTIC=False,
                                           **meta)

@@ -95,7 +95,8 @@ class _DeferredSparseKL(torch.autograd.Function):
 
 
 def _fused_kl_backward(ctx, g, q, w, k, indices, row_mask, target, dk_fp32: bool = False):
-    """KL_CFG['fused']: (dq, dw, dk, loss value) from one kernel (kl.kl_fused_backward); row_mask [T] or None."""
+    """KL_CFG['fused']: (dq, dw, dk, loss value) from kl.kl_fused_backward (the KL in the scoring kernel's
+    epilogue); row_mask [T] or None."""
     T = q.shape[0]
     coef = g.float().reshape(1).expand(T)
     if row_mask is not None:
