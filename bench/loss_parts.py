@@ -1,24 +1,21 @@
 """Where the sparse-stage indexer loss spends its time: the selected-scores kernels it runs, timed alone.
 
-The loss (bench/sparse_attn.py, ~18-19 ms at T = 16K whatever the attention's head count) is the indexer's
-scores at the k selected keys (`selected_scores` forward), the KL rows, and the backward to the indexer's q,
-w, k (`_triton_bwd`: per query row, S and S^T, dq, dk, fp32 atomics into dk). With few attention heads it is
-40% of the attention (session 10), so its kernels are timed here, one row per variant:
-  * `fwd`: the selected-scores forward, [T, k] fp32 (one 64-slot block per program; `4 blocks/prog`,
-    `row/prog`: several / all of a row's blocks per program, its q / w loaded once);
+The loss (bench/sparse_attn.py; whatever the attention's head count, ~18-19 ms at T = 16K in session 10, ~12-13
+ms since session 11) is the indexer's scores at the k selected keys (`selected_scores` forward), the KL rows,
+and the backward to the indexer's q, w, k (`_triton_bwd`: per query row, S, dq, dk, fp32 atomics into dk). With
+few attention heads it is a large part of the attention (40% at N = 16 in session 10), so its kernels are
+timed here, one row per variant:
+  * `fwd`: the selected-scores forward, [T, k] fp32 (`1 block/prog`: one 64-slot block per program; `row/prog`,
+    the default since session 11: a whole row per program, its q / w loaded once), launch variants;
   * `kl rows`: the KL row kernel (lse, KL value, the score gradient);
-  * `bwd` / `bwd prefetch idx`: the backward kernel from a given score gradient, without / with the slot
-    indices loaded one block ahead of their gather (as the sparse MLA forward since session 10);
-    `dk_t`: dk^T = q^T dS (3 MMAs, all wgmma) instead of a 4th, transposed score MMA; j64 / stages: launch;
-  * `bwd deterministic`: the sorted-order dk reduction;
-  * `fwd + kl epilogue`: the forward with the KL rows in its epilogue (value, coef-scaled gradient);
-  * `loss unfused`: what the deferred loss's backward ran until session 11 (forward, kl_rows, backward from the
-    stored gradient); `loss fused`: `kl.kl_fused_backward` (the forward with the KL epilogue, then the backward);
-    `TP4 rank`: the same on one tensor-parallel rank's quarter of the rows (`tp_split_rows`: the kernels of
-    one rank, without the gradient all-gather).
+  * `bwd`: the backward kernel from a given score gradient; `dk_t`: dk^T = q^T dS (3 MMAs, all wgmma) instead
+    of a 4th, transposed score MMA; `prefetch idx`: slot indices loaded one block ahead of their gather (as the
+    sparse MLA forward); j64 / warps: launch; `deterministic`: the sorted-order dk reduction;
+  * `loss`: the three as the deferred loss's backward runs them; `TP4 rank`: the same on one tensor-parallel
+    rank's quarter of the rows (`tp_split_rows`: one rank's kernels, without the gradient all-gather).
 Median ms (CUDA events, after a warm-up), 20/80 percentiles, TFLOP/s (fwd 2·T·k·H·D, bwd 3x that; the ReLU
 variant's second score MMA not counted), and for the backward variants the largest relative L2 difference of
-dq / dw / dk against `bwd`. Random bf16 data, causal duplicate-free indices, signed head weights, ReLU.
+dq / dw / dk against the default backward launch. Random bf16 data, causal duplicate-free indices, signed head weights, ReLU.
 Rows are appended to bench/results/loss_parts.csv.
 
 On the H200 (device tool; no Megatron needed):
@@ -71,40 +68,35 @@ def main():
     scores = ss._triton_fwd(q, w, k, idx, True)
     fwd = ss._triton_fwd
     bwd = ss._triton_bwd
-    coef = torch.full((T,), 0.01, device=dev)
-    kl_out = torch.empty(T, device=dev)
+    coef = torch.full((T, 1), 0.01, device=dev)
 
-    def unfused(rows=slice(None)):  # the deferred loss's backward until session 11
+    def loss(rows=slice(None)):  # what the deferred loss's backward runs: forward, KL rows, backward
         sc = fwd(q[rows], w[rows], k, idx[rows], True)
         klm.kl_rows(target[rows], sc, idx[rows], None, grad_out=sc)
-        return klm.kl_score_backward(q[rows], w[rows], k, idx[rows], sc, coef[rows].reshape(-1, 1), True, False)
-
-    def fused(rows=slice(None)):  # kl.kl_fused_backward: the KL rows in the forward kernel's epilogue
-        return klm.kl_fused_backward(q[rows], w[rows], k, idx[rows], target[rows], coef[rows], True, False)
+        return klm.kl_score_backward(q[rows], w[rows], k, idx[rows], sc, coef[rows], True, False)
 
     tp4 = slice(T - T // 4, T)  # one TP-4 rank's rows under tp_split_rows (the last quarter: every row full)
     variants = [
-        ("fwd 1 block/prog", lambda: fwd(q, w, k, idx, True, blocks_per_prog=1), fl, False),
-        ("fwd row/prog", lambda: fwd(q, w, k, idx, True, blocks_per_prog=0, prefetch_idx=False), fl, False),
-        ("fwd row/prog prefetch idx", lambda: fwd(q, w, k, idx, True, blocks_per_prog=0, prefetch_idx=True), fl,
-         False),
+        ("fwd 1 block/prog (session 10)", lambda: fwd(q, w, k, idx, True, blocks_per_prog=1), fl, False),
+        ("fwd row/prog", lambda: fwd(q, w, k, idx, True), fl, False),
+        ("fwd row/prog 8 warps", lambda: fwd(q, w, k, idx, True, num_warps=8), fl, False),
+        ("fwd row/prog 2 stages", lambda: fwd(q, w, k, idx, True, num_stages=2), fl, False),
+        ("fwd row/prog j32 4 stages", lambda: fwd(q, w, k, idx, True, block_j=32, num_stages=4), fl, False),
+        ("fwd row/prog j128 8 warps", lambda: fwd(q, w, k, idx, True, block_j=128, num_warps=8), fl, False),
         ("kl rows", lambda: klm.kl_rows(target, scores, idx, None, grad_out=scores.clone()), 0.0, False),
-        ("fwd + kl epilogue", lambda: fwd(q, w, k, idx, True, kl=(target, coef, kl_out)), fl, False),
-        ("fwd + kl epilogue prefetch idx", lambda: fwd(q, w, k, idx, True, prefetch_idx=True,
-                                                       kl=(target, coef, kl_out)), fl, False),
         ("bwd j32 4 MMAs (session 10)", lambda: bwd(q, w, k, idx, grad, True, False, block_j=32, dk_t=False,
                                                     prefetch_idx=False), 3 * fl, True),
         ("bwd dk_t j64", lambda: bwd(q, w, k, idx, grad, True, False, block_j=64, dk_t=True, prefetch_idx=False),
          3 * fl, True),
         ("bwd dk_t j64 prefetch idx", lambda: bwd(q, w, k, idx, grad, True, False, block_j=64, dk_t=True,
                                                   prefetch_idx=True), 3 * fl, True),
-        ("bwd dk_t j64 prefetch idx 2 stages", lambda: bwd(q, w, k, idx, grad, True, False, block_j=64, dk_t=True,
-                                                           prefetch_idx=True, num_stages=2), 3 * fl, True),
+        ("bwd dk_t j64 prefetch idx 8 warps", lambda: bwd(q, w, k, idx, grad, True, False, block_j=64, dk_t=True,
+                                                          prefetch_idx=True, num_warps=8), 3 * fl, True),
+        ("bwd dk_t j128 prefetch idx 8 warps", lambda: bwd(q, w, k, idx, grad, True, False, block_j=128, dk_t=True,
+                                                           prefetch_idx=True, num_warps=8), 3 * fl, True),
         ("bwd deterministic (default: j32)", lambda: bwd(q, w, k, idx, grad, True, True), 3 * fl, True),
-        ("loss unfused (fwd + kl rows + bwd)", lambda: unfused(), 4 * fl, False),
-        ("loss fused (fwd with kl + bwd)", lambda: fused(), 4 * fl, False),
-        ("TP4 rank: loss unfused", lambda: unfused(tp4), fl, False),
-        ("TP4 rank: loss fused", lambda: fused(tp4), fl, False),
+        ("loss (fwd + kl rows + bwd)", lambda: loss(), 4 * fl, False),
+        ("TP4 rank: loss", lambda: loss(tp4), fl, False),
     ]
     rows = []
     for name, fn, flops, is_bwd in variants:

@@ -44,8 +44,6 @@ p.add_argument("--no-sweep", action="store_true")
 p.add_argument("--sweep-only", default="",
                help="comma-separated substrings: sweep only the fwd / bwd variants whose name contains one")
 p.add_argument("--no-loss", action="store_true")
-p.add_argument("--kl-fused", default="",
-               help="deferred loss: comma list of kl.KL_CFG['fused'] settings to time side by side (0,1); empty: the default")
 p.add_argument("--sorted", action="store_true",
                help="ascending index rows, -1 padding last (HyTopK's order; stock gets the same rows)")
 p.add_argument("--out", default=os.environ.get("OUT", "/tmp/sparse_attn_out"))
@@ -447,28 +445,15 @@ def deferred_loss_path(T, N, K, q, kv, idx, leaves, rec):
         out, _, loss = sparse_mla_with_indexer_loss(qa, kva, idx, SCALE, *leaves, v_dim=512, check_index_range=False)
         torch.autograd.backward([out, loss], [dout, one * 0.01])
 
-    from hyscale_kernels.indexer_loss import kl as klm
-
-    settings = [bool(int(x)) for x in args.kl_fused.split(",") if x.strip()] or [klm.KL_CFG["fused"]]
-    default = klm.KL_CFG["fused"]
-    a, b = [], {f: [] for f in settings}
-    try:
-        for _ in range(2):  # alternate: drift hits all alike
-            a.append(timed(attn_only, target_ms=0, max_iters=3)["ms"])
-            for f in settings:
-                klm.KL_CFG["fused"] = f
-                b[f].append(timed(attn_loss, target_ms=0, max_iters=3)["ms"])
-    finally:
-        klm.KL_CFG["fused"] = default
-    ta = statistics.median(a)
-    for f in settings:
-        tb = statistics.median(b[f])
-        d = tb - ta
-        emit(kind="loss", T=T, N=N, k=K, impl="ours-deferred" + ("" if f == default else f" (kl fused={int(f)})"),
-             phase="attn fwd+bwd with loss - without", ms=round(d, 3), attn_only_ms=round(ta, 3),
-             attn_with_loss_ms=round(tb, 3), frac_of_attn=round(d / ta, 3), kl_fused=int(f))
-        if f == default:
-            rec.update(deferred_loss_ms=round(d, 3), deferred_loss_frac=round(d / ta, 3))
+    a, b = [], []
+    for _ in range(2):  # alternate: drift hits both alike
+        a.append(timed(attn_only, target_ms=0, max_iters=3)["ms"])
+        b.append(timed(attn_loss, target_ms=0, max_iters=3)["ms"])
+    ta, tb = statistics.median(a), statistics.median(b)
+    d = tb - ta
+    emit(kind="loss", T=T, N=N, k=K, impl="ours-deferred", phase="attn fwd+bwd with loss - without", ms=round(d, 3),
+         attn_only_ms=round(ta, 3), attn_with_loss_ms=round(tb, 3), frac_of_attn=round(d / ta, 3))
+    rec.update(deferred_loss_ms=round(d, 3), deferred_loss_frac=round(d / ta, 3))
 
 
 def stock_default():

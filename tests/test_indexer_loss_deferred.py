@@ -85,18 +85,9 @@ def _both(inputs, relu=True, rows=None, deterministic=False, coeff=0.05, variant
     return res
 
 
-@pytest.fixture(params=[False, True], ids=["unfused-kl", "fused-kl"])
-def fused_kl(request, monkeypatch):
-    """The deferred loss's backward with the unfused KL (forward kernel + kl_rows + backward) and the fused one."""
-    from hyscale_kernels.indexer_loss import kl as kl_mod
-
-    monkeypatch.setitem(kl_mod.KL_CFG, "fused", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("relu", [True, False])
 @pytest.mark.parametrize("masked", [False, True])
-def test_deferred_loss_matches_forward_path(relu, masked, fused_kl):
+def test_deferred_loss_matches_forward_path(relu, masked):
     inputs = _inputs(T=7, S=33, N=5, topk=12, seed=3)
     rows = torch.tensor([1, 1, 0, 1, 1, 1, 0], dtype=torch.float32, device=DEV) if masked else None
     (v1, o1, l1, a1, i1), (v2, o2, l2, a2, i2) = _both(inputs, relu=relu, rows=rows)
@@ -110,7 +101,7 @@ def test_deferred_loss_matches_forward_path(relu, masked, fused_kl):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
 
 
-def test_deferred_loss_deterministic_and_dq_over_q(fused_kl):
+def test_deferred_loss_deterministic_and_dq_over_q():
     inputs = _inputs(T=6, S=30, N=20, topk=10, seed=5)
     (v1, _, _, a1, i1), (v2, _, _, a2, i2) = _both(inputs, deterministic=True)
     torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-7)
@@ -147,7 +138,7 @@ def test_deferred_loss_errors():
 
 
 @pytest.mark.gpu
-def test_gpu_deferred_loss_bf16(fused_kl):
+def test_gpu_deferred_loss_bf16():
     """bf16 at a real shape (T 4096, N 128: two head blocks adding into the target, k 2048)."""
     T, S, N, K = 4096, 8192, 128, 2048
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -51,13 +51,10 @@ def _run(deferred, heads, group, split=False, rows=T):
     return seen[0], [t.grad for t in leaves], qa.grad, kva.grad
 
 
-def _worker(rank, path, deferred, result_path, split=False, rows=T, fused=False):
+def _worker(rank, path, deferred, result_path, split=False, rows=T):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     try:
         from hyscale_kernels.indexer_loss import deferred as deferred_mod
-        from hyscale_kernels.indexer_loss import kl as kl_mod
-
-        kl_mod.KL_CFG["fused"] = fused
 
         calls = []  # the split path really ran (the results alone would also match without it)
         orig = deferred_mod._split_rows_backward
@@ -70,19 +67,15 @@ def _worker(rank, path, deferred, result_path, split=False, rows=T, fused=False)
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("deferred,split,rows,fused", [(False, False, T, False), (True, False, T, False),
-                                                       (True, True, T, False), (True, True, T + 1, False),
-                                                       (True, True, 1, False), (True, False, T, True),
-                                                       (True, True, T + 1, True)],
+@pytest.mark.parametrize("deferred,split,rows", [(False, False, T), (True, False, T), (True, True, T),
+                                                 (True, True, T + 1), (True, True, 1)],
                          ids=["forward", "deferred", "deferred-split-rows", "deferred-split-odd-rows",
-                              "deferred-split-one-row", "deferred-fused-kl", "deferred-split-odd-rows-fused-kl"])
-def test_tp_sharded_heads_match_unsharded(deferred, split, rows, fused):
-    """rows T + 1 = 7: 4 rows on rank 0, 3 on rank 1 (the gather pads); 1: rank 1 has no row. fused: the ranks
-    run the one-kernel KL backward (kl.KL_CFG['fused']); the unsharded reference the unfused one."""
+                              "deferred-split-one-row"])
+def test_tp_sharded_heads_match_unsharded(deferred, split, rows):
+    """rows T + 1 = 7: 4 rows on rank 0, 3 on rank 1 (the gather pads); 1: rank 1 has no row."""
     value, grads, dq, dkv = _run(deferred, list(range(N)), None, rows=rows)
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(os.path.join(d, "init"), deferred, os.path.join(d, "res"), split, rows,
-                                          fused),
+        mp.start_processes(_worker, args=(os.path.join(d, "init"), deferred, os.path.join(d, "res"), split, rows),
                            nprocs=2, start_method="spawn")
         res = [torch.load(os.path.join(d, f"res.{r}")) for r in range(2)]
     for r in range(2):

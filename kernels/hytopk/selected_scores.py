@@ -95,35 +95,17 @@ def _dk_add(dk, b_dkt, b_idx, m_j, o_j, o_d, m_d, i_r, K: tl.constexpr, D: tl.co
 
 @triton.jit
 def _selected_scores_fwd_kernel(
-    q, w, k, idx, out, tg, r_coef, r_kl, eps,
+    q, w, k, idx, out,
     H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, N_BLK: tl.constexpr = 1,
-    PREFETCH_IDX: tl.constexpr = False, KL: tl.constexpr = False,
 ):
-    """One program per (row, N_BLK consecutive slot blocks): the row's q / w are loaded once for all of them.
-
-    PREFETCH_IDX: each block's slot indices are loaded a block ahead of their gather (as the backward).
-    KL (N_BLK covering the whole row): the sparse KL's row work in an epilogue: the row's lse and target sum
-    (online, during the scoring loop), then a second pass over its stored scores (just written: L2) writes
-    the scaled KL gradient G = coef * (softmax * sum(tn) - tn) over them (0 at padding) and the row's KL
-    value to r_kl (unmasked); what kl_rows and the scaling of its output did in two more kernels."""
+    """One program per (row, N_BLK consecutive slot blocks): the row's q / w are loaded once for all of them."""
     i_t = tl.program_id(0)  # query row
     i_j = tl.program_id(1)  # group of N_BLK slot blocks
-    row = i_t.to(tl.int64) * K
     b_q, b_w = _load_row(q, w, i_t, H, D, BLOCK_H, BLOCK_D)
-    if KL:
-        b_ts = tl.zeros([BLOCK_J], dtype=tl.float32)  # [BLOCK_J] target sum
-        b_m = tl.full([BLOCK_J], float("-inf"), dtype=tl.float32)  # [BLOCK_J] running max / sum-exp
-        b_l = tl.zeros([BLOCK_J], dtype=tl.float32)
-    b_idx_next = _load_slots(idx, i_t, i_j * N_BLK * BLOCK_J, K, BLOCK_J)  # [BLOCK_J] (PREFETCH_IDX)
     for i_b in range(N_BLK):
         j0 = (i_j * N_BLK + i_b) * BLOCK_J
-        if PREFETCH_IDX:
-            b_idx_cur = b_idx_next
-            b_idx_next = _load_slots(idx, i_t, j0 + BLOCK_J, K, BLOCK_J)  # -1 past the row: no gather
-            b_k, b_idx, m_j, o_j = _gather_slots(k, b_idx_cur, j0, D, BLOCK_J, BLOCK_D)
-        else:
-            b_k, b_idx, m_j, o_j = _gather_keys(k, idx, i_t, j0, K, D, BLOCK_J, BLOCK_D)
+        b_k, b_idx, m_j, o_j = _gather_keys(k, idx, i_t, j0, K, D, BLOCK_J, BLOCK_D)
         if IEEE:
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_H, BLOCK_J]
         else:
@@ -132,42 +114,7 @@ def _selected_scores_fwd_kernel(
             b_s = tl.maximum(b_s, 0.0)
         b_o = tl.sum(b_s * b_w[:, None], axis=0)  # [BLOCK_J]
         b_o = tl.where(m_j, b_o, float("-inf"))
-        tl.store(out + row + o_j, b_o, mask=o_j < K)
-        if KL:
-            b_ts += tl.load(tg + row + o_j, mask=m_j, other=0.0)
-            m_new = tl.maximum(b_m, b_o)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            b_l = b_l * tl.exp(b_m - m_safe) + tl.exp(b_o - m_safe)
-            b_m = m_new
-    if KL:
-        _kl_epilogue(out, tg, idx, r_coef, r_kl, eps, i_t, b_ts, b_m, b_l, K, BLOCK_J, N_BLK)
-
-
-@triton.jit
-def _kl_epilogue(out, tg, idx, r_coef, r_kl, eps, i_t, b_ts, b_m, b_l, K: tl.constexpr, BLOCK_J: tl.constexpr,
-                 N_BLK: tl.constexpr):
-    """KL of row i_t from its stored scores (out) and raw target: G (scaled by coef[i_t]) over the scores,
-    the KL value into r_kl[i_t]. b_ts / b_m / b_l [BLOCK_J]: the scoring loop's target sums, max, sum-exp."""
-    row = i_t.to(tl.int64) * K
-    m = tl.max(b_m, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    lse = m_safe + tl.log(tl.maximum(tl.sum(b_l * tl.exp(b_m - m_safe), axis=0), 1e-30))
-    tsum = tl.sum(b_ts, axis=0)
-    den = tl.maximum(tsum, eps)
-    tnsum = tsum / den
-    coef = tl.load(r_coef + i_t)
-    b_kl = tl.zeros([BLOCK_J], dtype=tl.float32)  # [BLOCK_J] the row's KL terms
-    tl.debug_barrier()  # the row's scores, stored by other threads of this program, visible
-    for i_b in range(N_BLK):
-        o_j = i_b * BLOCK_J + tl.arange(0, BLOCK_J)
-        m_o = o_j < K
-        m_j = tl.load(idx + row + o_j, mask=m_o, other=-1) >= 0  # [BLOCK_J] valid slots
-        b_sc = tl.load(out + row + o_j, mask=m_j, other=0.0)
-        b_tn = tl.load(tg + row + o_j, mask=m_j, other=0.0) / den
-        b_kl += tl.where(m_j, b_tn * (tl.log(tl.maximum(b_tn, eps)) - (b_sc - lse)), 0.0)
-        b_g = tl.where(m_j, coef * (tl.exp(b_sc - lse) * tnsum - b_tn), 0.0)
-        tl.store(out + row + o_j, b_g, mask=m_o)
-    tl.store(r_kl + i_t, tl.sum(b_kl, axis=0))
+        tl.store(out + i_t.to(tl.int64) * K + o_j, b_o, mask=o_j < K)
 
 
 @triton.jit
@@ -281,39 +228,24 @@ def _blocks(H: int, D: int):
 
 
 # blocks_per_prog 0 (a whole row per program, q / w loaded once): H200 16K, 64 x 128, k 2048: 3.58 -> 2.50 ms (s. 11)
-FWD_CFG = dict(block_j=64, blocks_per_prog=0, num_warps=4, num_stages=3, prefetch_idx=False)
+FWD_CFG = dict(block_j=64, blocks_per_prog=0, num_warps=4, num_stages=3)
 
 
 def _triton_fwd(q, w, k, idx, relu: bool, block_j: int | None = None, blocks_per_prog: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, prefetch_idx: bool | None = None,
-                kl=None):
-    """blocks_per_prog: slot blocks of block_j per program (q / w loaded once per program); 0 = a whole row.
-    ``kl=(target, coef, kl_out)`` (fp32 [T, topk], [T], [T]): a whole row per program, and the returned
-    tensor holds coef * dKL/dscores instead of the scores (see the kernel's KL); kl_out the rows' KL."""
+                num_warps: int | None = None, num_stages: int | None = None):
+    """blocks_per_prog: slot blocks of block_j per program (q / w loaded once per program); 0 = a whole row."""
     T, H, D = q.shape
     K = idx.shape[1]
     out = _alloc(T, K, dtype=torch.float32, device=q.device)
     if T == 0 or K == 0:
-        if kl is not None:
-            kl[2].zero_()
         return out
     BLOCK_H, BLOCK_D = _blocks(H, D)
     block_j = block_j or FWD_CFG["block_j"]
     n_blk = FWD_CFG["blocks_per_prog"] if blocks_per_prog is None else blocks_per_prog
-    if kl is not None:
-        n_blk = 0
     n_blk = min(n_blk, triton.cdiv(K, block_j)) if n_blk > 0 else triton.cdiv(K, block_j)
     grid = (T, triton.cdiv(K, block_j * n_blk))
-    if kl is None:
-        kl_args = (out, out, out, 0.0)
-    else:
-        from ..indexer_loss.kl import EPS  # noqa: PLC0415
-
-        kl_args = (*kl, EPS)
-    _selected_scores_fwd_kernel[grid](q, w, k, idx, out, *kl_args, H, D, K, RELU=relu, IEEE=q.dtype == torch.float32,
+    _selected_scores_fwd_kernel[grid](q, w, k, idx, out, H, D, K, RELU=relu, IEEE=q.dtype == torch.float32,
                                       BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_J=block_j, N_BLK=n_blk,
-                                      PREFETCH_IDX=bool(FWD_CFG["prefetch_idx"] if prefetch_idx is None else prefetch_idx),
-                                      KL=kl is not None,
                                       num_warps=num_warps or FWD_CFG["num_warps"],
                                       num_stages=num_stages or FWD_CFG["num_stages"])
     return out

@@ -75,13 +75,6 @@ class _DeferredSparseKL(torch.autograd.Function):
         if ctx.tp_split_rows and _group_size(ctx.tp_group) > 1:
             dq, dw, dk = _split_rows_backward(ctx, g, q, w, k, indices, row_mask, target)
             return dq, dw, dk, None, None, None, None, None, None, None, None
-        if _kl.KL_CFG["fused"]:
-            dq, dw, dk, value = _fused_kl_backward(ctx, g, q, w, k, indices, row_mask if ctx.has_mask else None,
-                                                   target)
-            del target
-            if ctx.on_value is not None:
-                ctx.on_value(value)
-            return dq, dw, dk, None, None, None, None, None, None, None, None
         scores = _triton_fwd(q, w, k, indices, ctx.relu)  # [T, topk] fp32
         kl, _, _ = _kl.kl_rows(target, scores, indices, row_mask if ctx.has_mask else None, grad_out=scores)
         del target
@@ -92,19 +85,6 @@ class _DeferredSparseKL(torch.autograd.Function):
             coef = coef * row_mask.float().reshape(-1, 1)
         dq, dw, dk = _kl.kl_score_backward(q, w, k, indices, scores, coef, ctx.relu, ctx.deterministic)
         return dq, dw, dk, None, None, None, None, None, None, None, None
-
-
-def _fused_kl_backward(ctx, g, q, w, k, indices, row_mask, target, dk_fp32: bool = False):
-    """KL_CFG['fused']: (dq, dw, dk, loss value) from kl.kl_fused_backward (the KL in the scoring kernel's
-    epilogue); row_mask [T] or None."""
-    T = q.shape[0]
-    coef = g.float().reshape(1).expand(T)
-    if row_mask is not None:
-        coef = coef * row_mask.float()
-    kl, dq, dw, dk = _kl.kl_fused_backward(q, w, k, indices, target, coef, ctx.relu, ctx.deterministic,
-                                           dk_fp32=dk_fp32)
-    value = (kl * row_mask.float()).sum() if row_mask is not None else kl.sum()
-    return dq, dw, dk, value.detach()
 
 
 def _group_size(group) -> int:
@@ -127,10 +107,7 @@ def _split_rows_backward(ctx, g, q, w, k, indices, row_mask, target):
     q_s, w_s, idx_s = q[rows].contiguous(), w[rows].contiguous(), indices[rows].contiguous()
     mask_s = row_mask[rows] if ctx.has_mask else None
     value = torch.zeros((), dtype=torch.float32, device=q.device)
-    if r1 > r0 and _kl.KL_CFG["fused"]:
-        dq_s, dw_s, dk, value = _fused_kl_backward(ctx, g, q_s, w_s, k, idx_s, mask_s, target[rows], dk_fp32=True)
-        value = value.float()
-    elif r1 > r0:
+    if r1 > r0:
         scores = _triton_fwd(q_s, w_s, k, idx_s, ctx.relu)  # [rows, topk] fp32
         kl, _, _ = _kl.kl_rows(target[rows].contiguous(), scores, idx_s, mask_s, grad_out=scores)
         value = kl.sum().detach().float()

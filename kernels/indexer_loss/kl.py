@@ -165,32 +165,6 @@ def kl_score_backward(q, w, k, indices, grad, coef, relu: bool, deterministic: b
     return dq.to(dq_dtype), dw.to(w.dtype), dk if dk_fp32 else dk.to(k.dtype)
 
 
-# fused: the deferred loss's backward computes the KL rows in the selected-scores forward kernel's epilogue
-# (scores, lse, KL value and the coef-scaled gradient in one kernel: kl_fused_backward) instead of the forward,
-# kl_rows and an in-place scaling of its output (three kernels). Session 11.
-KL_CFG = dict(fused=False)
-
-
-def kl_fused_backward(q, w, k, indices, target, coef, relu: bool, deterministic: bool, dk_fp32: bool = False):
-    """The sparse KL and its indexer gradients: two kernels (the selected-scores forward with the KL epilogue,
-    then the backward from its gradient).
-
-    Args: q [T, H, D], w [T, H], k [S, D], indices [T, topk] (-1 padded) as ``selected_scores``; target fp32
-    [T, topk] (raw head-summed attention probabilities, normalised here); coef fp32 [T] (d loss / d KL_t:
-    the loss gradient times the row mask). Returns (kl [T] fp32, unmasked KL_t per row, dq, dw, dk) with the
-    gradients of sum_t coef[t] * KL_t; dk fp32 with ``dk_fp32`` (a partial sum), else in k's dtype."""
-    from ..hytopk.selected_scores import _triton_bwd, _triton_fwd  # noqa: PLC0415
-
-    T = q.shape[0]
-    dq_dtype = q.dtype
-    kl = torch.empty(T, dtype=torch.float32, device=q.device)
-    grad = _triton_fwd(q, w, k, indices, relu, kl=(target.contiguous().float(), coef.contiguous().float(), kl))
-    over = take_scratch(q)  # as kl_score_backward: a recomputed q takes dq in place
-    dq, dw, dk = _triton_bwd(q, w, k, indices, grad, relu, deterministic, dq_over_q=over)
-    del q, grad
-    return kl, dq.to(dq_dtype), dw.to(w.dtype), dk if dk_fp32 else dk.to(k.dtype)
-
-
 def sparse_kl(q_idx, w, k_idx, indices, target, row_mask=None, relu: bool = True, deterministic: bool = False):
     """Per-row masked KL [T] of the indexer's selected-score softmax against ``target`` (raw head-summed
     attention probabilities, normalised here); differentiable in q_idx, w, k_idx."""
