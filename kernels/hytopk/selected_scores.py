@@ -12,6 +12,8 @@ Backward (per row t, over its selected keys j):
     dq[t, h] = sum_j dS[h, j] * k[idx[t, j]]
     dk[idx[t, j]] += sum_h dS[h, j] * q[t, h]        (scatter-add over selected rows)
 
+By default (``BWD_CFG dk_t``) a slot block takes three MMAs: S = q k^T, dq += dS k and dk^T = q^T dS (the
+ReLU mask read from S in one orientation; the older path builds dS^T from a second, transposed S MMA).
 The scatter-add to k uses fp32 atomics by default (fast, order-dependent in the last bits).
 ``deterministic=True`` instead writes per-slot contributions for a bounded chunk of rows and
 reduces them with a sorted segmented sum (fixed order, bit-identical run to run).
@@ -44,6 +46,15 @@ def _use_triton(t: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------
+@triton.jit
+def _mma(a, b, IEEE: tl.constexpr):
+    """tl.dot; IEEE (fp32 inputs): exact fp32 products (input_precision="ieee") instead of the tensor cores' tf32."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
 @triton.jit
 def _load_row(q, w, i_t, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """q[t] as [BLOCK_H, BLOCK_D] and w[t] as fp32 [BLOCK_H] (zeros past H / D)."""
@@ -106,10 +117,7 @@ def _selected_scores_fwd_kernel(
     for i_b in range(N_BLK):
         j0 = (i_j * N_BLK + i_b) * BLOCK_J
         b_k, b_idx, m_j, o_j = _gather_keys(k, idx, i_t, j0, K, D, BLOCK_J, BLOCK_D)
-        if IEEE:
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_H, BLOCK_J]
-        else:
-            b_s = tl.dot(b_q, tl.trans(b_k))  # [BLOCK_H, BLOCK_J]
+        b_s = _mma(b_q, tl.trans(b_k), IEEE)  # [BLOCK_H, BLOCK_J]
         if RELU:
             b_s = tl.maximum(b_s, 0.0)
         b_o = tl.sum(b_s * b_w[:, None], axis=0)  # [BLOCK_J]
@@ -168,10 +176,7 @@ def _selected_scores_bwd_kernel(
         # dk^T [D, J] = q^T [D, H] @ dS [H, J]: dS is the B operand (stored to shared memory as it is),
         # q^T a transposed view of the loaded q tile (no MMA result is transposed): 3 MMAs, each with
         # an M side of >= 64 (H or D), so all can be wgmma on Hopper.
-        if IEEE:
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_H, BLOCK_J]
-        else:
-            b_s = tl.dot(b_q, tl.trans(b_k))  # [BLOCK_H, BLOCK_J]
+        b_s = _mma(b_q, tl.trans(b_k), IEEE)  # [BLOCK_H, BLOCK_J]
         if DK_T:
             if RELU:
                 b_dw += tl.sum(tl.maximum(b_s, 0.0) * b_g[None, :], axis=1)
@@ -179,18 +184,11 @@ def _selected_scores_bwd_kernel(
             else:
                 b_dw += tl.sum(b_s * b_g[None, :], axis=1)
                 b_ds = (b_w[:, None] * b_g[None, :]).to(b_k.dtype)  # [BLOCK_H, BLOCK_J]
-            if IEEE:
-                b_dq += tl.dot(b_ds, b_k, input_precision="ieee")
-                b_dkt = tl.dot(b_qt, b_ds, input_precision="ieee")  # [BLOCK_D, BLOCK_J]
-            else:
-                b_dq += tl.dot(b_ds, b_k)
-                b_dkt = tl.dot(b_qt, b_ds)  # [BLOCK_D, BLOCK_J]
+            b_dq += _mma(b_ds, b_k, IEEE)
+            b_dkt = _mma(b_qt, b_ds, IEEE)  # [BLOCK_D, BLOCK_J]
             _dk_add(dk, b_dkt, b_idx, m_j, o_j, o_d, m_d, i_t - row0, K, D, DETERMINISTIC)
         elif RELU:
-            if IEEE:
-                b_st = tl.dot(b_k, tl.trans(b_q), input_precision="ieee")  # [BLOCK_J, BLOCK_H]
-            else:
-                b_st = tl.dot(b_k, tl.trans(b_q))  # [BLOCK_J, BLOCK_H]
+            b_st = _mma(b_k, tl.trans(b_q), IEEE)  # [BLOCK_J, BLOCK_H]
             b_dw += tl.sum(tl.maximum(b_s, 0.0) * b_g[None, :], axis=1)
             b_ds = tl.where(b_s > 0.0, b_w[:, None] * b_g[None, :], 0.0)  # [BLOCK_H, BLOCK_J]
             b_dst = tl.where(b_st > 0.0, b_g[:, None] * b_w[None, :], 0.0)  # [BLOCK_J, BLOCK_H]
@@ -201,12 +199,8 @@ def _selected_scores_bwd_kernel(
         if not DK_T:
             b_ds = b_ds.to(b_k.dtype)
             b_dst = b_dst.to(b_k.dtype)
-            if IEEE:
-                b_dq += tl.dot(b_ds, b_k, input_precision="ieee")
-                b_dk = tl.dot(b_dst, b_q, input_precision="ieee")  # [BLOCK_J, BLOCK_D]
-            else:
-                b_dq += tl.dot(b_ds, b_k)
-                b_dk = tl.dot(b_dst, b_q)  # [BLOCK_J, BLOCK_D]
+            b_dq += _mma(b_ds, b_k, IEEE)
+            b_dk = _mma(b_dst, b_q, IEEE)  # [BLOCK_J, BLOCK_D]
             if DETERMINISTIC:  # per-slot contributions of this row chunk, reduced in sorted order later
                 p_buf = dk + ((i_t - row0).to(tl.int64) * K + o_j)[:, None] * D + o_d[None, :]
                 tl.store(p_buf, b_dk, mask=(o_j < K)[:, None] & m_d[None, :])
