@@ -28,15 +28,18 @@ def _inputs(T, S, N, topk, seed=0):
 
 
 @pytest.mark.parametrize("N", [3, 16, 80])  # one head step (odd), one full step, several 16-head steps
-def test_bwd_target_equals_reference_target(N):
+@pytest.mark.parametrize("target_dsp", [False, True])
+def test_bwd_target_equals_reference_target(N, target_dsp):
     """The scratch backward's head-summed P (dkv kernel) equals the target spec (normalised);
-    0 at padding and on the fully masked row; every element written (NaN-filled before)."""
+    0 at padding and on the fully masked row; every element written (NaN-filled before). target_dsp: the
+    head sum taken from the [dS ; P] tile the contraction loaded (dS rows weighted 0) instead of a P reload."""
     *_, query, kv, idx = _inputs(T=7, S=40, N=N, topk=18, seed=N)
     v = 32
     out, lse = sparse_mla_fwd(query, kv, idx, 0.2, v)
     dout = torch.randn_like(out)
     tgt = torch.full(idx.shape, float("nan"), dtype=torch.float32, device=DEV)
-    sparse_mla_bwd(query, kv, idx, out, lse, dout, None, 0.2, v, target=tgt)
+    sparse_mla_bwd(query, kv, idx, out, lse, dout, None, 0.2, v, target=tgt,
+                   scratch_cfg=dict(target_dsp=True) if target_dsp else None)
     ref = sparse_indexer_target(query, kv, idx, 0.2, lse=lse)
     assert torch.isfinite(tgt).all()
     torch.testing.assert_close(tgt / tgt.sum(-1, keepdim=True).clamp_min(1e-10), ref, rtol=1e-5, atol=1e-6)
