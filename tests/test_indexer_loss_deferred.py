@@ -47,6 +47,30 @@ def test_bwd_target_equals_reference_target(N, target_dsp):
     torch.testing.assert_close(tgt[1, 0], torch.tensor(float(N), device=DEV))  # one key: P = 1 for every head
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [16, 64])
+def test_gpu_target_dsp_matches(N):
+    """bf16, k = 2048: the target from the [dS ; P] tile equals the one from the reloaded P (same bf16 P, fp32
+    sums: at most a summation-order difference), and dq / dkv are unchanged."""
+    T, S, K = 2048, 4096, 2048
+    g = torch.Generator(device="cuda").manual_seed(N)
+    query = torch.randn(T, N, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(S, 576, device="cuda", generator=g).bfloat16()
+    idx = torch.argsort(torch.rand(T, S, device="cuda", generator=g), dim=1)[:, :K].int()
+    idx[:64, 1000:] = -1
+    out, lse = sparse_mla_fwd(query, kv, idx, 0.25, 512)
+    dout = torch.randn_like(out)
+    res = []
+    for dsp in (False, True):
+        tgt = torch.full(idx.shape, float("nan"), device="cuda")
+        dq, dkv = sparse_mla_bwd(query, kv, idx, out, lse, dout, None, 0.25, 512, target=tgt, deterministic=True,
+                                 scratch_cfg=dict(target_dsp=dsp))
+        res.append((tgt, dq, dkv))
+    assert torch.isfinite(res[1][0]).all()
+    torch.testing.assert_close(res[1][0], res[0][0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(res[1][1], res[0][1]) and torch.equal(res[1][2], res[0][2])
+
+
 def test_bwd_target_bad_input():
     *_, query, kv, idx = _inputs(T=5, S=20, N=4, topk=8)
     out, lse = sparse_mla_fwd(query, kv, idx, 0.2, 32)
