@@ -301,7 +301,7 @@ def _sparse_mla_bwd_dkv_scratch_kernel(
     q, idx, do, pds, dkv, row0, N, N_KB,
     DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr, NHB: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    IEEE: tl.constexpr, EVEN: tl.constexpr, DETERMINISTIC: tl.constexpr, tgt=None, TGT: tl.constexpr = 0,
+    IEEE: tl.constexpr, EVEN: tl.constexpr, DETERMINISTIC: tl.constexpr, tgt=None, TGT: tl.constexpr = False,
     GROUP: tl.constexpr = 1,
 ):
     """dkv without recompute: contracts the dS / P the dq kernel stored for a chunk of tokens.
@@ -374,8 +374,7 @@ def _dkv_head_rows(q, do, i_t, i_h, N, DQK: tl.constexpr, V: tl.constexpr, R: tl
 def _dkv_contract(b_qdo, b_qr, pds, i_c, o_h, o_hj, m_h, m_hj, o_k, m_kk, N, K: tl.constexpr, b_acc_v, b_acc_r,
                   b_acc_t, BLOCK_H: tl.constexpr, IEEE: tl.constexpr, TGT: tl.constexpr):
     """One head block's share of a key block: the stored dS / P against [q_v ; dO] and q's rope rows, added
-    to the accumulators (and, TGT, P's head sum on the tensor cores: P^T @ e0, column 0 ones; TGT == 2,
-    scratch_cfg target_dsp: from the P rows of the [dS ; P] tile already loaded, instead of loading P again)."""
+    to the accumulators (and, TGT, P's head sum on the tensor cores: P^T @ e0, column 0 ones)."""
     o_j = tl.arange(0, 2 * BLOCK_H)
     # pds is [chunk, 2, N, K]: plane 0 = dS, plane 1 = P
     o_sj = ((i_c * 2 + (o_j >= BLOCK_H)).to(tl.int64) * N + o_hj)[:, None] * K + o_k[None, :]
@@ -384,10 +383,7 @@ def _dkv_contract(b_qdo, b_qr, pds, i_c, o_h, o_hj, m_h, m_hj, o_k, m_kk, N, K: 
     b_ds = tl.load(pds + o_s, mask=m_h[:, None] & m_kk[None, :], other=0.0)  # [BLOCK_H, BLOCK_K] (L1 / L2 hit)
     b_acc_v = _mac(tl.trans(b_dsp), b_qdo, b_acc_v, IEEE)
     b_acc_r = _mac(tl.trans(b_ds), b_qr, b_acc_r, IEEE)
-    if TGT == 2:  # the P rows already loaded in b_dsp (its rows BLOCK_H..): [dS^T | P^T] @ [0 ; e0], no reload
-        b_e0 = (tl.arange(0, 16)[None, :] == 0) & (o_j[:, None] >= BLOCK_H)  # [2 * BLOCK_H, 16]
-        b_acc_t = _mac(tl.trans(b_dsp), b_e0.to(b_dsp.dtype), b_acc_t, IEEE)
-    elif TGT:
+    if TGT:
         b_p = tl.load(pds + o_s + N * K, mask=m_h[:, None] & m_kk[None, :], other=0.0)  # [BLOCK_H, BLOCK_K] P
         b_e0 = (tl.arange(0, 16)[None, :] == 0) & (tl.arange(0, BLOCK_H)[:, None] >= 0)  # [BLOCK_H, 16]
         b_acc_t = _mac(tl.trans(b_p), b_e0.to(b_p.dtype), b_acc_t, IEEE)
@@ -544,7 +540,7 @@ BWD_FUSED_CFG = dict(block_h=32, block_k=16, num_warps=8, num_stages=2)
 # group: key blocks per dkv program when all heads fit one head block (N <= 16), the token's q / dO rows loaded
 # once for all of them (None: 8 there, else 1). H200, N = 16 (session 10, bench/sparse_bwd_parts.py): dkv kernel
 # 64K 167.1 -> 142.5 / 141.4 / 140.6 ms with 2 / 4 / 8, 16K 29.1 -> 23.8 with 8.
-BWD_SCRATCH_CFG = dict(block_h=16, block_k=64, num_warps=8, num_stages=3, group=None, target_dsp=False)
+BWD_SCRATCH_CFG = dict(block_h=16, block_k=64, num_warps=8, num_stages=3, group=None)
 SCRATCH_GROUP_ONE_BLOCK = 8
 # its dq kernel with at most 16 heads (one 16-row M tile): 4 warps, 12.1 ms vs 23.8 with 8 at N = 16;
 # 8 warps above (N = 128: 117.6 vs 138.5 ms with 4)
@@ -585,7 +581,7 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None,
 
 _LAUNCH_KEYS = ("block_h", "block_k", "num_warps", "num_stages")
 CFG_KEYS = dict(dq=_LAUNCH_KEYS + ("split_mma", "asm_stores", "prefetch_idx"), dkv=_LAUNCH_KEYS,
-                fused=_LAUNCH_KEYS, scratch=_LAUNCH_KEYS + ("group", "target_dsp"))
+                fused=_LAUNCH_KEYS, scratch=_LAUNCH_KEYS + ("group",))
 
 
 def check_cfg_keys(name: str, cfg, allowed) -> None:
@@ -750,8 +746,7 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
             *args, N, n_hb, SCRATCH=True, **dq_launch)
         _sparse_mla_bwd_dkv_scratch_kernel[((r1 - r0) * triton.cdiv(n_kb, group),)](
             q, idx, dout, pds, buf if deterministic else dkv, r0, N, n_kb, DETERMINISTIC=deterministic,
-            tgt=target if target is not None else delta, TGT=0 if target is None else (2 if cfg.get("target_dsp") else 1),
-            GROUP=group, **launch)
+            tgt=target if target is not None else delta, TGT=target is not None, GROUP=group, **launch)
         if deterministic:
             deterministic_scatter_add_(dkv, idx[r0:r1].reshape(-1), buf[: (r1 - r0) * K])
         if over:  # stream order: after the dkv kernel that read q[r0:r1]
