@@ -142,7 +142,8 @@ def resources(cfgs, H=64, D=128, kk=2048):
 if args.resources:  # the default launch (append mask, 2-bit select, warm start 1024), warm start off, the
     # session-9 sample (512), the prefix-sum append, 1-bit select, and the no-selection floor
     _base = Config()
-    resources([_base, replace(_base, warm_start=0), replace(_base, warm_start=512), replace(_base, append="tile"),
+    resources([_base, replace(_base, raw_keys=True), replace(_base, warm_start=0), replace(_base, warm_start=512),
+               replace(_base, append="tile"),
                replace(_base, search_bits=1), replace(_base, append="tile", search_bits=1), ("floor", _base),
                ("floor lazy max", _base)])
     sys.exit(0)
@@ -445,6 +446,7 @@ SWEEP = [
     replace(_D, warm_start=2048),  # cfg17: a still larger sample (1024, the default since session 10, keeps
     # ~3.1K candidates per 64K row instead of ~4.2K at 512: no compaction before the final select)
     replace(_D, search_bits=1, warm_start=512),  # cfg18: the 1-bit full search at the session-9 warm start
+    replace(_D, raw_keys=True),  # cfg19: session 11, the candidate test on fp32 scores, raw-bit buffers
 ]
 BEST = {}
 if "sweep" in args.parts:
@@ -465,7 +467,8 @@ if "sweep" in args.parts:
                      replace(SWEEP[0], rows_x_heads=128, num_stages=4),  # cfg2 (128, 3 stages): default since s. 7
                      replace(SWEEP[0], rows_x_heads=128, lane_rows=False),  # cfg5: before session 9
                      replace(SWEEP[0], rows_x_heads=128, warm_start=512),  # cfg6: warm start before s. 10
-                     replace(SWEEP[0], rows_x_heads=128, warm_start=2048)]  # cfg7
+                     replace(SWEEP[0], rows_x_heads=128, warm_start=2048),  # cfg7
+                     replace(SWEEP[0], rows_x_heads=128, raw_keys=True)]  # cfg8: session 11
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],

@@ -51,37 +51,60 @@ def _key_to_score(key):
     return bits.to(tl.float32, bitcast=True)
 
 
+RAW_NONE = tl.constexpr(-1)  # RAW buffers: the fp32 bits (a NaN) whose key is INT32_MIN (never counted)
+
+
 @triton.jit
-def _count_ge(key_rows, cnt, bound, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
+def _load_keys(ptrs, mask, RAW: tl.constexpr):
+    """Buffered candidates as int32 keys (INT32_MIN where masked). RAW (Config.raw_keys): the buffer holds the
+    scores' raw fp32 bits, converted here (the key loop then skips the conversion for every score)."""
+    if RAW:
+        return _score_to_key(tl.load(ptrs, mask=mask, other=RAW_NONE).to(tl.float32, bitcast=True))
+    else:
+        return tl.load(ptrs, mask=mask, other=INT32_MIN)
+
+
+@triton.jit
+def _thr_score(thr):
+    """RAW: the fp32 bound equivalent to ``key > thr``, i.e. score >= the score of key thr + 1 (-inf for
+    INT32_MIN: every score; key INT32_MAX + 1 wraps to a NaN bound: none). -0.0 and +0.0 compare equal,
+    as their keys do (both fold onto key 0; no score has key -1)."""
+    return tl.where(thr == INT32_MIN, float("-inf"), _key_to_score(thr + 1))
+
+
+@triton.jit
+def _count_ge(key_rows, cnt, bound, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+              RAW: tl.constexpr = False):
     """Per row: how many of its cnt buffered keys are >= bound[r]. [R] int32."""
     c_acc = tl.zeros([R, CHUNK], dtype=tl.int32)  # [R, CHUNK] partial counts
     for i_c in range(0, CAP, CHUNK):
         o_cc = i_c + o_h  # [CHUNK]
         m_v = o_cc[None, :] < cnt[:, None]  # [R, CHUNK]
-        b_k = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=INT32_MIN)  # [R, CHUNK]
+        b_k = _load_keys(key_rows[:, None] + o_cc[None, :], m_v, RAW)  # [R, CHUNK]
         c_acc += (b_k >= bound[:, None]).to(tl.int32)
     return tl.sum(c_acc, axis=1)
 
 
 @triton.jit
-def _kth_key(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
+def _kth_key(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+             RAW: tl.constexpr = False):
     """Exact kk-th largest buffered key of each row [R] (INT32_MIN where a row has < kk keys).
 
     Radix select one bit at a time from the top, in the biased (unsigned-order) domain: keep the
     largest prefix with at least kk keys >= it. Padding (INT32_MIN) never counts: every
     candidate bound is above it.
     """
-    c = _count_ge(key_rows, cnt, tl.zeros_like(cnt), o_h, R, CAP, CHUNK)  # bit 31: keys >= 0
+    c = _count_ge(key_rows, cnt, tl.zeros_like(cnt), o_h, R, CAP, CHUNK, RAW)  # bit 31: keys >= 0
     pre = tl.where(c >= kk, INT32_MIN, 0)  # [R] biased prefix
     for i_b in range(30, -1, -1):
         cand = pre | (1 << i_b)  # [R]
-        c = _count_ge(key_rows, cnt, cand ^ INT32_MIN, o_h, R, CAP, CHUNK)
+        c = _count_ge(key_rows, cnt, cand ^ INT32_MIN, o_h, R, CAP, CHUNK, RAW)
         pre = tl.where(c >= kk, cand, pre)
     return pre ^ INT32_MIN
 
 
 @triton.jit
-def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr):
+def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.constexpr = False):
     """Radix select of each row's top kk buffered keys, two bits per pass (16 passes at most).
 
     Two bits per pass from the top, in the biased (unsigned-order) domain: keep the largest prefix
@@ -105,8 +128,7 @@ def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr):
     n_open = tl.sum((~done).to(tl.int32), axis=0)
     # the buffer read once into registers (a while loop would otherwise reload it from L2 every pass)
     o_all = tl.arange(0, CAP)  # [CAP]
-    b_keys = tl.load(key_rows[:, None] + o_all[None, :], mask=o_all[None, :] < cnt[:, None],
-                     other=INT32_MIN)  # [R, CAP]
+    b_keys = _load_keys(key_rows[:, None] + o_all[None, :], o_all[None, :] < cnt[:, None], RAW)  # [R, CAP]
     i_b = 30
     while (n_open > 0) & (i_b >= 0):  # bits (i_b + 1, i_b): (31, 30) ... (1, 0), all 32
         a1 = pre | (one << i_b)
@@ -138,7 +160,7 @@ def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr):
 @triton.jit
 def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                   FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr,
-                  CHUNK: tl.constexpr, SEARCH2: tl.constexpr):
+                  CHUNK: tl.constexpr, SEARCH2: tl.constexpr, RAW: tl.constexpr = False):
     """Keep each row's exact top-kk of its buffer (all of it where cnt <= kk), stably.
 
     key_rows/idx_rows: [R] pointers to the rows' buffers. dst_*: [R] row pointers of the
@@ -152,12 +174,12 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     n_rank = 0  # SEARCH2: rows whose keys equal to kth must be ranked (more of them than fit)
     if tl.max(cnt, axis=0) > kk:
         if SEARCH2:
-            kth_2, n_gt, rank = _kth_key2(key_rows, cnt, kk, R, CAP)
+            kth_2, n_gt, rank = _kth_key2(key_rows, cnt, kk, R, CAP, RAW)
             kth = tl.where(need, kth_2, INT32_MIN)
             n_rank = tl.sum((need & rank).to(tl.int32), axis=0)
         else:
-            kth = tl.where(need, _kth_key(key_rows, cnt, kk, o_h, R, CAP, CHUNK), INT32_MIN)
-            n_gt = _count_ge(key_rows, cnt, kth + 1, o_h, R, CAP, CHUNK)  # kth < INT32_MAX always
+            kth = tl.where(need, _kth_key(key_rows, cnt, kk, o_h, R, CAP, CHUNK, RAW), INT32_MIN)
+            n_gt = _count_ge(key_rows, cnt, kth + 1, o_h, R, CAP, CHUNK, RAW)  # kth < INT32_MAX always
         n_eq = tl.where(need, kk - n_gt, CAP)
     # stable rewrite, chunk by chunk: an entry only moves down, past chunks already read
     base = tl.zeros_like(cnt)  # [R] kept so far
@@ -165,7 +187,12 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     for i_c in range(0, CAP, CHUNK):
         o_cc = i_c + o_h  # [CHUNK]
         m_v = o_cc[None, :] < cnt[:, None]  # [R, CHUNK]
-        b_k = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=INT32_MIN)  # [R, CHUNK]
+        if RAW:
+            b_raw = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=RAW_NONE)  # [R, CHUNK] fp32 bits
+            b_k = _score_to_key(b_raw.to(tl.float32, bitcast=True))  # [R, CHUNK] keys
+        else:
+            b_raw = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=INT32_MIN)  # [R, CHUNK]
+            b_k = b_raw
         b_i = tl.load(idx_rows[:, None] + o_cc[None, :], mask=m_v, other=-1)  # [R, CHUNK]
         m_eq = (b_k == kth[:, None]) & m_v
         if SEARCH2:
@@ -187,7 +214,7 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                 tl.store(dst_key[:, None] + pos, _key_to_score(b_k), mask=m_st)
         else:
             m_st = m_st & need[:, None]  # rows that keep everything stay where they are
-            tl.store(dst_key[:, None] + pos, b_k, mask=m_st)
+            tl.store(dst_key[:, None] + pos, b_raw, mask=m_st)  # the buffer's own format (keys or RAW bits)
             tl.store(dst_idx[:, None] + pos, b_i, mask=m_st)
         base += tl.sum(m_keep.to(tl.int32), axis=1)
         eq_seen += tl.sum(m_eq.to(tl.int32), axis=1)
@@ -313,16 +340,24 @@ def _store2(p_a, v_a, p_b, v_b, m, HW: tl.constexpr):
 @triton.jit
 def _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows, o_n, o_d, m_d,
               H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
-              IEEE: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr):
+              IEEE: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr, RAW: tl.constexpr = False, thr_f=None):
     """Key tile i_n with a bit-mask append (Config.append="mask", BLOCK_N <= 64): no prefix sum.
 
     Each row's candidates become one int64 mask (bit j = key j of the tile) by a sum over the tile's
     keys, which stays in the scores' MMA-derived layout (no conversion for a scan); a candidate's
-    slot is cnt + popc(mask & bits below its own). Same slots as the prefix sum of _key_tile."""
-    key = _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
-                     H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)  # [BLOCK_N, R]
+    slot is cnt + popc(mask & bits below its own). Same slots as the prefix sum of _key_tile.
+    RAW: the test runs on the fp32 score against thr_f (_thr_score(thr)) and the buffer gets the raw bits:
+    no int key conversion per score (the select converts the few buffered ones)."""
+    if RAW:
+        o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
+                                      H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)
+        m_c = m_vis & (sc >= thr_f[None, :])  # [BLOCK_N, R] = key > thr (strict: a later tie loses)
+        key = sc.to(tl.int32, bitcast=True)  # [BLOCK_N, R] what the buffer holds
+    else:
+        key = _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
+                         H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)  # [BLOCK_N, R]
+        m_c = key > thr[None, :]  # strict: a later key that ties the threshold loses
     o_s = lo + i_n * BLOCK_N + o_n  # [BLOCK_N] key indices
-    m_c = key > thr[None, :]  # strict: a later key that ties the threshold loses
     b_bit = tl.full([BLOCK_N, R], 1, tl.int64) << o_n.to(tl.int64)[:, None]  # [BLOCK_N, R] each key's bit
     b_mask = tl.sum(tl.where(m_c, b_bit, 0), axis=0)  # [R] the row's candidates (bits are distinct)
     pos = cnt[None, :] + _popc64(b_mask[None, :] & (b_bit - 1), HW)  # [BLOCK_N, R] earlier candidates
@@ -333,7 +368,7 @@ def _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows,
 @triton.jit
 def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
                  H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, WARM: tl.constexpr,
-                 RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr):
+                 RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr, RAW: tl.constexpr = False):
     """Warm-start sample slots [i_t, i_t + BLOCK_N): key index lo + slot * span // WARM.
 
     Scores them with the main loop's code (same MMA, activation, weights, head sum, int32 key)
@@ -347,7 +382,10 @@ def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n,
                   mask=m_i[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
     sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)  # [BLOCK_N, R]
     m_vis = m_i[:, None] & (o_s[:, None] >= b_start[None, :]) & (o_s[:, None] < b_end[None, :])
-    key = tl.where(m_vis, _score_to_key(sc), INT32_MIN)  # [BLOCK_N, R]
+    if RAW:  # the buffer's format: raw fp32 bits, RAW_NONE (key INT32_MIN) where not visible
+        key = tl.where(m_vis, sc.to(tl.int32, bitcast=True), RAW_NONE)  # [BLOCK_N, R]
+    else:
+        key = tl.where(m_vis, _score_to_key(sc), INT32_MIN)  # [BLOCK_N, R]
     tl.store(key_rows[None, :] + o_i[:, None], key, mask=m_i[:, None])
     return tl.sum(m_vis.to(tl.int32), axis=0)
 
@@ -356,7 +394,8 @@ def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n,
 def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n, o_d, m_d,
                     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
                     WARM: tl.constexpr, CHUNK_W: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr,
-                    RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr, LANE_ROWS: tl.constexpr):
+                    RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr, LANE_ROWS: tl.constexpr,
+                    RAW: tl.constexpr = False):
     """Each row's starting threshold key tau [R] (INT32_MIN: no warm start for that row).
 
     Only run when some row sees more than CAP keys (fewer never compact), so hi - lo > CAP >=
@@ -384,7 +423,7 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
     m_smp = tl.zeros_like(n_vis)  # [R] visible samples per row
     for i_t in range(0, WARM, BLOCK_N):
         m_smp += _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
-                              H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS=LANE_ROWS)
+                              H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS=LANE_ROWS, RAW=RAW)
     tl.debug_barrier()  # sample keys visible to every thread
     p0 = kk / tl.maximum(n_vis, 1).to(tl.float32)  # [R] fraction of the row's keys that is kept
     mu = m_smp.to(tl.float32) * p0
@@ -393,10 +432,10 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
     j = tl.where(on, j, 1)
     n_smp = tl.full([R], WARM, dtype=tl.int32)
     if SEARCH2:
-        tau, _, _ = _kth_key2(key_rows, n_smp, j, R, WARM)
+        tau, _, _ = _kth_key2(key_rows, n_smp, j, R, WARM, RAW)
     else:
         o_hw = tl.arange(0, CHUNK_W)
-        tau = _kth_key(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W)
+        tau = _kth_key(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W, RAW)
     tl.debug_barrier()  # select done reading before the key loop overwrites the slots
     # tau - 1: keys tied with the j-th sample key pass too (a sample value repeated across
     # many keys, e.g. ReLU zeros, would otherwise send the row to the -inf re-run)
@@ -407,11 +446,11 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
 def _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows, o_n, o_d, m_d,
                  H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
                  SELECT: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr, HW: tl.constexpr,
-                 LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False):
+                 LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False, RAW: tl.constexpr = False, thr_f=None):
     """One step of the key loop from tile i_n: Config.append's way (the floor, SELECT=False, always tiles)."""
     if APPEND == 1 and SELECT:
         cnt = _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
-                        o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW, LANE_ROWS=LANE_ROWS)
+                        o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW, LANE_ROWS=LANE_ROWS, RAW=RAW, thr_f=thr_f)
     else:
         cnt, thr, b_max = _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                     key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, SELECT, IEEE,
@@ -424,10 +463,12 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
               o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
-              APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False):
+              APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False,
+              RAW: tl.constexpr = False):
     """The row block's key loop (all its tiles, ascending), compacting between segments.
 
-    APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask)."""
+    APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask). RAW (mask only): raw-bit buffers,
+    the candidate test against the segment's fp32 bound."""
     i_n = 0
     while i_n < n_tiles:
         # a segment of tiles that cannot overflow any row's buffer: the tile loop itself
@@ -437,24 +478,25 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b
             if CAP - tl.max(cnt, axis=0) < MIN_FREE:
                 tl.debug_barrier()  # appends of earlier tiles visible to all threads
                 kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
-                                    False, False, R, CAP, CHUNK, SEARCH2)
+                                    False, False, R, CAP, CHUNK, SEARCH2, RAW)
                 thr = tl.maximum(thr, kth)
                 cnt = tl.minimum(cnt, kk)
             n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
+        thr_f = _thr_score(thr)  # [R] RAW: the segment's fp32 bound (thr is fixed within a segment)
         if WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
             i_e = i_n + n_seg
             while i_n < i_e:
                 cnt, thr, b_max = _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                                key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU,
                                                SELECT, IEEE, APPEND, not WHILE_LOOPS, LANE_ROWS=LANE_ROWS,
-                                               LAZY_MAX=LAZY_MAX)
+                                               LAZY_MAX=LAZY_MAX, RAW=RAW, thr_f=thr_f)
                 i_n += 1
         else:
             for i_j in range(i_n, i_n + n_seg):
                 cnt, thr, b_max = _append_step(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                                key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU,
                                                SELECT, IEEE, APPEND, not WHILE_LOOPS, LANE_ROWS=LANE_ROWS,
-                                               LAZY_MAX=LAZY_MAX)
+                                               LAZY_MAX=LAZY_MAX, RAW=RAW, thr_f=thr_f)
             i_n += n_seg
     return cnt, thr, b_max
 
@@ -472,6 +514,7 @@ def hytopk_kernel(
     WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
     WARM: tl.constexpr = 0, CHUNK_W: tl.constexpr = 1, WARM_Z: tl.constexpr = 4.0, WARM_MIN: tl.constexpr = 16,
     APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False, LAZY_MAX: tl.constexpr = False,
+    RAW: tl.constexpr = False,
 ):
     i_p = tl.program_id(0)
     RH: tl.constexpr = R * H
@@ -514,7 +557,7 @@ def hytopk_kernel(
             if tl.max(tl.where(m_live, b_end - b_start, 0), axis=0) > CAP:
                 thr = _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n,
                                       o_d, m_d, H, D, R, BLOCK_N, CAP, WARM, CHUNK_W, WARM_Z, WARM_MIN,
-                                      RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS)
+                                      RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS, RAW=RAW)
             on = thr > INT32_MIN  # [R] rows started from a sampled threshold
             n_on = tl.sum(on.to(tl.int32), axis=0)
             n_fail = n_on * 0
@@ -524,7 +567,7 @@ def hytopk_kernel(
                 cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                             key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
                                             CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND,
-                                            LANE_ROWS=LANE_ROWS)
+                                            LANE_ROWS=LANE_ROWS, RAW=RAW)
                 # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
                 # keep their buffers and append nothing more (no key is > INT32_MAX)
                 fail = on & (cnt < kk)  # [R]; all False after the first pass
@@ -542,13 +585,13 @@ def hytopk_kernel(
             cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
                                         CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND,
-                                        LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX)
+                                        LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW)
 
         if SELECT:
             tl.debug_barrier()
             o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
             _select_store(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
-                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2)
+                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW)
             # -1 / -inf padding after the kept entries
             n_keep = tl.minimum(cnt, kk)  # [R]
             o_h = tl.arange(0, CHUNK)

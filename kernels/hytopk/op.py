@@ -68,6 +68,10 @@ class Config:
     # --parts sweep): H 64 88.8 -> 75.2 ms (x floor 1.44 -> 1.24); H 32 68.5 -> 50.5 (1.82 -> 1.45);
     # H 4 (k 512, S/4 keys) 9.99 -> 8.54.
     lane_rows: bool = True
+    # candidate buffers hold the scores' raw fp32 bits: the key loop tests each score against the segment's
+    # fp32 bound (_thr_score) and skips the int-key conversion per score; the select converts the buffered
+    # ones. Needs append="mask". Same output (session 11: CPU-tested, untimed).
+    raw_keys: bool = False
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -78,6 +82,8 @@ def check_config(cfg: Config, interpret: bool) -> None:
     check(cfg.append != "mask" or cfg.block_n <= 64,
           f"hytopk: Config.append='mask' needs block_n <= 64 (one int64 bit mask per tile), got {cfg.block_n}; "
           "use append='tile' for larger key tiles")
+    check(not cfg.raw_keys or cfg.append == "mask",
+          f"hytopk: Config.raw_keys needs append='mask', got append={cfg.append!r}")
 
 
 def _pow2_ceil(x: int) -> int:
@@ -142,7 +148,8 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(write_scores), IEEE=bool(ieee),
                 WHILE_LOOPS=bool(interp), SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w,
                 WARM_Z=WARM_Z, WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
-                LANE_ROWS=lane_rows(cfg, R, H), LAZY_MAX=bool(lazy_max) and not select)
+                LANE_ROWS=lane_rows(cfg, R, H), LAZY_MAX=bool(lazy_max) and not select,
+                RAW=bool(cfg.raw_keys) and bool(select))
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):

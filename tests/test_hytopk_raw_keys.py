@@ -1,0 +1,142 @@
+"""HyTopK's Config.raw_keys: candidate buffers hold the scores' raw fp32 bits and the key loop tests each score
+against the segment's fp32 bound instead of converting every score to an int key. The output must be the
+default's bit for bit (indices and scores) and the reference's sets: random scores with masked and short rows,
+cold and warm start, near and exact ties (identity activation, negative scores), ReLU zeros with compactions,
+both radix searches, 2 and 4 rows per program; and the bound's edge cases (-inf start, the warm re-run's
+"append nothing" threshold, zeros of either sign)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hyscale_kernels.hytopk import hytopk, interpreter_active
+from hyscale_kernels.hytopk.op import Config
+from hyscale_kernels.hytopk.reference import causal_bounds
+from interp_rerun import rerun_under_interpreter
+from test_hytopk import _zero_ties, assert_same_selection
+from test_hytopk_search2 import _near_tie_inputs
+
+INTERP = interpreter_active()
+interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
+
+
+def _cfg(H, search_bits=2, warm=0, rows=2):
+    return Config(block_n=16, rows_x_heads=rows * H, num_warps=1, num_stages=1, programs_per_sm=1,
+                  min_free_tiles=1, sel_chunk=64, search_bits=search_bits, warm_start=warm,
+                  lane_rows=rows % 4 == 0)
+
+
+def _pair(q, w, k, st, en, topk, relu, cfg):
+    """(raw_keys, default) results: indices and scores."""
+    return [hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=replace(cfg, raw_keys=raw))
+            for raw in (True, False)]
+
+
+def _assert_identical(a, b):
+    (ai, av), (bi, bv) = a, b
+    assert torch.equal(ai, bi), "raw_keys changed the indices"
+    assert torch.equal(av, bv) and torch.equal(torch.signbit(av), torch.signbit(bv)), "raw_keys changed the scores"
+
+
+@interp
+@pytest.mark.parametrize("warm", [0, 64], ids=["cold", "warm"])
+@pytest.mark.parametrize("relu,rows,bits", [(False, 2, 2), (True, 2, 1), (True, 4, 2)],
+                         ids=["id-2rows", "relu-2rows-1bit", "relu-4rows"])
+def test_raw_keys_random_and_masked_rows(relu, rows, bits, warm):
+    T, S, H, topk = 21, 300, 4, 12
+    g = torch.Generator().manual_seed(11 + warm)
+    q, w, k = torch.randn(T, H, 32, generator=g), torch.randn(T, H, generator=g), torch.randn(S, 32, generator=g)
+    st, en = causal_bounds(T, S, offset=S - T)
+    st, en = st.clone(), en.clone()
+    st[4], en[4] = 9, 9  # fully masked
+    st[6], en[6] = 100, 107  # fewer than k visible keys
+    raw, ref = _pair(q, w, k, st, en, topk, relu, _cfg(H, bits, warm, rows))
+    assert_same_selection(q, w, k, st, en, topk, relu, *raw)
+    _assert_identical(raw, ref)
+    assert torch.equal(raw[0][4], torch.full((topk,), -1, dtype=raw[0].dtype))
+
+
+@interp
+@pytest.mark.parametrize("spread", [2, 4, 64])
+def test_raw_keys_near_and_exact_ties(spread):
+    """Scores from `spread` consecutive floats (negative ones too: identity activation): the boundary falls
+    inside runs of equal scores; the lowest indices must win, as in the default."""
+    T, S, H, topk = 12, 160, 4, 9
+    q, w, k = _near_tie_inputs(T, S, H=H, spread=spread, seed=spread + 1)
+    st = torch.zeros(T, dtype=torch.int32)
+    en = torch.full((T,), S, dtype=torch.int32)
+    en[5] = 37
+    st[7], en[7] = 20, 150
+    raw, ref = _pair(q, w, k, st, en, topk, False, _cfg(H))
+    assert_same_selection(q, w, k, st, en, topk, False, *raw)
+    _assert_identical(raw, ref)
+
+
+@interp
+@pytest.mark.parametrize("warm", [0, 64], ids=["cold", "warm"])
+@pytest.mark.parametrize("negative_w", [False, True], ids=["zeros+", "zeros-"])
+def test_raw_keys_relu_zero_ties_with_compactions(warm, negative_w):
+    """ReLU zeros tie at the boundary (negative head weights make them -0.0, which ties with +0.0 in the
+    key order), with several compactions per row (64 slots for k = 12): the bound after a compaction to a
+    zero k-th key must admit zeros of either sign exactly as the int test does."""
+    T, S, H, topk = 16, 400, 2, 12
+    g = torch.Generator().manual_seed(7)
+    q, w, k = torch.randn(T, H, 32, generator=g), torch.randn(T, H, generator=g).abs(), torch.randn(S, 32, generator=g)
+    q, w, k = _zero_ties(q, w, k, every=5)
+    if negative_w:
+        w = -w
+    st = torch.zeros(T, dtype=torch.int32)
+    en = torch.full((T,), S, dtype=torch.int32)
+    raw, ref = _pair(q, w, k, st, en, topk, True, _cfg(H, warm=warm))
+    assert_same_selection(q, w, k, st, en, topk, True, *raw)
+    _assert_identical(raw, ref)
+
+
+@interp
+@pytest.mark.parametrize("warm", [0, 64], ids=["cold", "warm"])
+def test_raw_keys_negative_scores_with_compactions(warm):
+    """Every score negative and distinct (identity activation, q . k > 0, negative weights), several compactions
+    per row: the kept candidates are negative, whose raw bits and int keys differ (a compaction that wrote keys
+    back into a raw buffer would reorder them)."""
+    T, S, H, topk = 12, 400, 2, 12
+    g = torch.Generator().manual_seed(13)
+    q, k = torch.randn(T, H, 32, generator=g).abs(), torch.randn(S, 32, generator=g).abs()
+    w = -torch.rand(T, H, generator=g) - 0.1
+    st = torch.zeros(T, dtype=torch.int32)
+    en = torch.full((T,), S, dtype=torch.int32)
+    raw, ref = _pair(q, w, k, st, en, topk, False, _cfg(H, warm=warm))
+    assert (raw[1][raw[0] >= 0] < 0).all()
+    assert_same_selection(q, w, k, st, en, topk, False, *raw)
+    _assert_identical(raw, ref)
+
+
+def test_raw_keys_needs_mask_append():
+    q, w, k = torch.randn(4, 2, 16), torch.randn(4, 2), torch.randn(6, 16)
+    st, en = causal_bounds(4, 6, offset=2)
+    with pytest.raises(ValueError, match="raw_keys needs append='mask'"):
+        hytopk(q, w, k, st, en, 2, config=replace(_cfg(2), raw_keys=True, append="tile"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,relu", [(12288, 64, True), (8192, 32, False)])
+def test_gpu_raw_keys_bit_identical(T, H, relu):
+    """bf16 at real shapes with the default launch: raw_keys gives the default's output bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(T + H)
+    q = torch.randn(T, H, 128, device="cuda", generator=g).bfloat16()
+    w = torch.randn(T, H, device="cuda", generator=g) * (H * 128) ** -0.5
+    k = torch.randn(T, 128, device="cuda", generator=g).bfloat16()
+    st, en = causal_bounds(T, T)
+    st, en = st.cuda(), en.cuda()
+    from hyscale_kernels.hytopk.op import default_config
+
+    cfg = default_config(H, 2048)
+    raw, ref = _pair(q, w, k, st, en, 2048, relu, cfg)
+    _assert_identical(raw, ref)
+
+
+def test_interpreter_in_subprocess():
+    """Triton imported here without the interpreter: run this file's kernel tests in a fresh process."""
+    rerun_under_interpreter(__file__)
