@@ -70,7 +70,10 @@ class Config:
     lane_rows: bool = True
     # candidate buffers hold the scores' raw fp32 bits: the key loop tests each score against the segment's
     # fp32 bound (_thr_score) and skips the int-key conversion per score; the select converts the buffered
-    # ones. Needs append="mask". Same output (session 11: CPU-tested, untimed).
+    # ones. Needs append="mask". sm_90a key loop 569 -> 555 instrs per 64-key tile (H 64). H200, 64K causal, one
+    # process each (session 11, bench/topk.py --parts sweep): H 64 74.30 -> 73.94 ms, H 32 47.62 -> 46.36. Same
+    # indices in the GPU tests; compiled, the head sum may round differently (FMA contraction): last-bit score
+    # differences on sums near 0. Opt-in until the whole HyTopK GPU suite has run with it.
     raw_keys: bool = False
 
 
