@@ -37,18 +37,24 @@ def _both(q, w, k, st, en, topk, relu, H, warm=0, append="mask", rows=2):
                    config=_cfg(H, b, warm, append, rows)) for b in (2, 1)]
 
 
-@interp
-@pytest.mark.parametrize("warm", [0, 64], ids=["cold", "warm"])
-@pytest.mark.parametrize("relu,rows", [(False, 2), (True, 2), (True, 4)], ids=["id-2rows", "relu-2rows", "relu-4rows"])
-def test_search2_random_and_masked_rows(relu, rows, warm):
-    """rows = 4: four rows per program with the default lane_rows column order, as compiled launches have."""
-    T, S, H, topk = 21, 300, 4, 12
-    g = torch.Generator().manual_seed(3 + warm)
+def masked_rows_case(seed, T=21, S=300, H=4):
+    """Random inputs (signed weights), causal bounds with a fully masked row (4) and a row with 7 visible keys (6)."""
+    g = torch.Generator().manual_seed(seed)
     q, w, k = torch.randn(T, H, 32, generator=g), torch.randn(T, H, generator=g), torch.randn(S, 32, generator=g)
     st, en = causal_bounds(T, S, offset=S - T)
     st, en = st.clone(), en.clone()
     st[4], en[4] = 9, 9  # fully masked
     st[6], en[6] = 100, 107  # fewer than k visible keys
+    return q, w, k, st, en
+
+
+@interp
+@pytest.mark.parametrize("warm", [0, 64], ids=["cold", "warm"])
+@pytest.mark.parametrize("relu,rows", [(False, 2), (True, 2), (True, 4)], ids=["id-2rows", "relu-2rows", "relu-4rows"])
+def test_search2_random_and_masked_rows(relu, rows, warm):
+    """rows = 4: four rows per program with the default lane_rows column order, as compiled launches have."""
+    H, topk = 4, 12
+    q, w, k, st, en = masked_rows_case(3 + warm)
     (ei, ev), (fi, fv) = _both(q, w, k, st, en, topk, relu, H, warm, rows=rows)
     assert_same_selection(q, w, k, st, en, topk, relu, ei, ev)
     assert torch.equal(ei, fi) and torch.equal(ev, fv), "2-bit select differs from the 1-bit search"

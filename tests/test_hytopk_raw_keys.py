@@ -17,6 +17,7 @@ from hyscale_kernels.hytopk.op import Config
 from hyscale_kernels.hytopk.reference import causal_bounds
 from interp_rerun import rerun_under_interpreter
 from test_hytopk import _zero_ties, assert_same_selection
+from test_hytopk_early_select import masked_rows_case
 from test_hytopk_search2 import _near_tie_inputs
 
 INTERP = interpreter_active()
@@ -46,13 +47,8 @@ def _assert_identical(a, b):
 @pytest.mark.parametrize("relu,rows,bits", [(False, 2, 2), (True, 2, 1), (True, 4, 2)],
                          ids=["id-2rows", "relu-2rows-1bit", "relu-4rows"])
 def test_raw_keys_random_and_masked_rows(relu, rows, bits, warm):
-    T, S, H, topk = 21, 300, 4, 12
-    g = torch.Generator().manual_seed(11 + warm)
-    q, w, k = torch.randn(T, H, 32, generator=g), torch.randn(T, H, generator=g), torch.randn(S, 32, generator=g)
-    st, en = causal_bounds(T, S, offset=S - T)
-    st, en = st.clone(), en.clone()
-    st[4], en[4] = 9, 9  # fully masked
-    st[6], en[6] = 100, 107  # fewer than k visible keys
+    H, topk = 4, 12
+    q, w, k, st, en = masked_rows_case(11 + warm)
     raw, ref = _pair(q, w, k, st, en, topk, relu, _cfg(H, bits, warm, rows))
     assert_same_selection(q, w, k, st, en, topk, relu, *raw)
     _assert_identical(raw, ref)
