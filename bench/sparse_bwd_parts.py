@@ -86,6 +86,8 @@ VARIANTS = {
     "scratch dq prefetch off": dict(dq_cfg=dict(prefetch_idx=False)),
     "scratch dq prefetch 3 stages": dict(dq_cfg=dict(num_stages=3)),
     "scratch + target": dict(target=True),  # the loss target from the dkv kernel (loss_target='backward')
+    # session 12: the target's head sum as P tiles added in registers, one sum per key block (no N = 16 MMA)
+    "scratch + target reg": dict(target=True, scratch_cfg=dict(target_sum="reg")),
     "scratch chunk 512": dict(chunk_tokens=512),
     "scratch dkv bh32": dict(variant="scratch", scratch_cfg=dict(block_h=32, num_stages=2)),
     "scratch dkv bk32": dict(variant="scratch", scratch_cfg=dict(block_k=32)),

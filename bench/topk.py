@@ -139,13 +139,14 @@ def resources(cfgs, H=64, D=128, kk=2048):
             print(f"#{i} {cfg}: compile failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
 
-if args.resources:  # the default launch (append mask, 2-bit select, warm start 1024), warm start off, the
-    # session-9 sample (512), the prefix-sum append, 1-bit select, and the no-selection floor
+if args.resources:  # the default launch (append mask, 2-bit select, warm start 1024, raw keys, chain head sum), its
+    # session-11 parts (int keys, pair head sum), warm start off / 512, the prefix-sum append, 1-bit select, the floors
     _base = Config()
-    resources([_base, replace(_base, raw_keys=True), replace(_base, warm_start=0), replace(_base, warm_start=512),
+    resources([_base, replace(_base, raw_keys=False), replace(_base, head_sum="pairs"),
+               replace(_base, raw_keys=False, head_sum="pairs"), replace(_base, warm_start=0), replace(_base, warm_start=512),
                replace(_base, append="tile"),
                replace(_base, search_bits=1), replace(_base, append="tile", search_bits=1), ("floor", _base),
-               ("floor lazy max", _base)])
+               ("floor lazy max", _base), ("floor lazy max", replace(_base, head_sum="pairs"))])
     sys.exit(0)
 
 os.makedirs(args.out, exist_ok=True)
@@ -446,7 +447,11 @@ SWEEP = [
     replace(_D, warm_start=2048),  # cfg17: a still larger sample (1024, the default since session 10, keeps
     # ~3.1K candidates per 64K row instead of ~4.2K at 512: no compaction before the final select)
     replace(_D, search_bits=1, warm_start=512),  # cfg18: the 1-bit full search at the session-9 warm start
-    replace(_D, raw_keys=True),  # cfg19: session 11, the candidate test on fp32 scores, raw-bit buffers
+    replace(_D, raw_keys=True),  # cfg19: session 11, the candidate test on fp32 scores, raw-bit buffers (= cfg0
+    # since session 12)
+    replace(_D, raw_keys=False),  # cfg20: int keys in the key loop (the default until session 12)
+    replace(_D, head_sum="pairs"),  # cfg21: the head sum's order until session 12 (FMUL + FFMA per head pair)
+    replace(_D, raw_keys=False, head_sum="pairs"),  # cfg22: the session-11 default
 ]
 BEST = {}
 if "sweep" in args.parts:
@@ -468,7 +473,10 @@ if "sweep" in args.parts:
                      replace(SWEEP[0], rows_x_heads=128, lane_rows=False),  # cfg5: before session 9
                      replace(SWEEP[0], rows_x_heads=128, warm_start=512),  # cfg6: warm start before s. 10
                      replace(SWEEP[0], rows_x_heads=128, warm_start=2048),  # cfg7
-                     replace(SWEEP[0], rows_x_heads=128, raw_keys=True)]  # cfg8: session 11
+                     replace(SWEEP[0], rows_x_heads=128, raw_keys=True),  # cfg8: session 11 (= cfg2 since s. 12)
+                     replace(SWEEP[0], rows_x_heads=128, raw_keys=False),  # cfg9
+                     replace(SWEEP[0], rows_x_heads=128, head_sum="pairs"),  # cfg10
+                     replace(SWEEP[0], rows_x_heads=128, raw_keys=False, head_sum="pairs")]  # cfg11: s. 11 default
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],
@@ -476,7 +484,8 @@ if "sweep" in args.parts:
                      replace(SWEEP[0], rows_x_heads=32, num_stages=3), replace(SWEEP[0], rows_x_heads=16),
                      replace(SWEEP[0], rows_x_heads=32, lane_rows=False),  # cfg9: before session 9
                      replace(SWEEP[0], rows_x_heads=32, warm_start=512),  # cfg10: warm start before s. 10
-                     replace(SWEEP[0], rows_x_heads=32, warm_start=2048)]  # cfg11 (k 512: capped at CAP 1024)
+                     replace(SWEEP[0], rows_x_heads=32, warm_start=2048),  # cfg11 (k 512: capped at CAP 1024)
+                     replace(SWEEP[0], rows_x_heads=32, raw_keys=False, head_sum="pairs")]  # cfg12: s. 11 default
         if args.smoke:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
                      replace(default_config(H, kk, interpret=True), append="tile")]

@@ -180,12 +180,23 @@ def test_lane_rows_column_order(H, rows_x_heads, append, warm):
     base = Config(**dict(base.__dict__, lane_rows=True))
     assert op.lane_rows(base, R, H) and not op.lane_rows(Config(lane_rows=False), R, H)
     res = {}
-    for lane in (True, False):
-        cfg = Config(**dict(base.__dict__, lane_rows=lane))
-        res[lane] = hytopk(q, w, k, st, en, topk, relu=False, return_scores=True, config=cfg)
-        assert_same_selection(q, w, k, st, en, topk, False, *res[lane])
-    assert torch.equal(res[True][0], res[False][0])
-    torch.testing.assert_close(res[True][1], res[False][1], rtol=1e-6, atol=1e-6)
+    for lane, head_sum in ((True, "chains"), (True, "pairs"), (False, "chains")):  # Config.head_sum: both orders
+        cfg = Config(**dict(base.__dict__, lane_rows=lane, head_sum=head_sum))
+        assert op.kernel_constexprs(cfg, H, 32, topk, select=True, relu=False, write_scores=True, ieee=True,
+                                    interp=True)["LANE_ROWS"] == (op.HEAD_SUMS.index(head_sum) + 1 if lane else 0)
+        res[lane, head_sum] = hytopk(q, w, k, st, en, topk, relu=False, return_scores=True, config=cfg)
+        assert_same_selection(q, w, k, st, en, topk, False, *res[lane, head_sum])
+    for key in ((True, "pairs"), (False, "chains")):
+        assert torch.equal(res[True, "chains"][0], res[key][0])
+        torch.testing.assert_close(res[True, "chains"][1], res[key][1], rtol=1e-6, atol=1e-6)
+
+
+@interp
+def test_head_sum_config_error():
+    q, w, k = _inputs(8, 16, 4, seed=1)
+    st, en = causal_bounds(8, 16, offset=8)
+    with pytest.raises(ValueError, match="Config.head_sum must be one of"):
+        hytopk(q, w, k, st, en, 4, config=Config(head_sum="tree"))
 
 
 def test_lane_rows_needs_four_rows_and_even_heads():

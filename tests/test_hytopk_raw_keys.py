@@ -31,7 +31,7 @@ def _cfg(H, search_bits=2, warm=0, rows=2):
 
 
 def _pair(q, w, k, st, en, topk, relu, cfg):
-    """(raw_keys, default) results: indices and scores."""
+    """(raw_keys on, off) results: indices and scores."""
     return [hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=replace(cfg, raw_keys=raw))
             for raw in (True, False)]
 
@@ -109,11 +109,23 @@ def test_raw_keys_negative_scores_with_compactions(warm):
     _assert_identical(raw, ref)
 
 
-def test_raw_keys_needs_mask_append():
-    q, w, k = torch.randn(4, 2, 16), torch.randn(4, 2), torch.randn(6, 16)
-    st, en = causal_bounds(4, 6, offset=2)
-    with pytest.raises(ValueError, match="raw_keys needs append='mask'"):
-        hytopk(q, w, k, st, en, 2, config=replace(_cfg(2), raw_keys=True, append="tile"))
+@interp
+def test_raw_keys_ignored_with_tile_append():
+    """raw_keys (the default) applies to the mask append only: with append="tile" the kernel runs without it
+    (RAW constexpr off) and selects the reference's sets."""
+    from hyscale_kernels.hytopk import op
+
+    T, S, H, topk = 9, 60, 2, 5
+    g = torch.Generator().manual_seed(2)
+    q, w, k = torch.randn(T, H, 32, generator=g), torch.randn(T, H, generator=g), torch.randn(S, 32, generator=g)
+    st, en = causal_bounds(T, S, offset=S - T)
+    cfg = replace(_cfg(H), append="tile")
+    assert cfg.raw_keys and not op.kernel_constexprs(cfg, H, 32, topk, select=True, relu=True, write_scores=True,
+                                                    ieee=True, interp=True)["RAW"]
+    assert op.kernel_constexprs(_cfg(H), H, 32, topk, select=True, relu=True, write_scores=True, ieee=True,
+                                interp=True)["RAW"]
+    idx, val = hytopk(q, w, k, st, en, topk, relu=True, return_scores=True, config=cfg)
+    assert_same_selection(q, w, k, st, en, topk, True, idx, val)
 
 
 @pytest.mark.gpu

@@ -27,16 +27,17 @@ def _inputs(T, S, N, topk, seed=0):
     return [q_idx, w, k_idx, query, kv, idx]
 
 
+@pytest.mark.parametrize("target_sum", ["mma", "reg"])
 @pytest.mark.parametrize("N", [3, 16, 80])  # one head step (odd), one full step, several 16-head steps
-def test_bwd_target_equals_reference_target(N):
-    """The scratch backward's head-summed P (dkv kernel) equals the target spec (normalised);
-    0 at padding and on the fully masked row; every element written (NaN-filled before)."""
+def test_bwd_target_equals_reference_target(N, target_sum):
+    """The scratch backward's head-summed P (dkv kernel; both scratch_cfg target_sum ways) equals the target
+    spec (normalised); 0 at padding and on the fully masked row; every element written (NaN-filled before)."""
     *_, query, kv, idx = _inputs(T=7, S=40, N=N, topk=18, seed=N)
     v = 32
     out, lse = sparse_mla_fwd(query, kv, idx, 0.2, v)
     dout = torch.randn_like(out)
     tgt = torch.full(idx.shape, float("nan"), dtype=torch.float32, device=DEV)
-    sparse_mla_bwd(query, kv, idx, out, lse, dout, None, 0.2, v, target=tgt)
+    sparse_mla_bwd(query, kv, idx, out, lse, dout, None, 0.2, v, target=tgt, scratch_cfg=dict(target_sum=target_sum))
     ref = sparse_indexer_target(query, kv, idx, 0.2, lse=lse)
     assert torch.isfinite(tgt).all()
     torch.testing.assert_close(tgt / tgt.sum(-1, keepdim=True).clamp_min(1e-10), ref, rtol=1e-5, atol=1e-6)
@@ -50,6 +51,9 @@ def test_bwd_target_bad_input():
     dout = torch.randn_like(out)
     with pytest.raises(ValueError, match="target must be a contiguous fp32"):
         sparse_mla_bwd(query, kv, idx, out, lse, dout, None, 0.2, 32, target=torch.zeros(5, 7, device=DEV))
+    with pytest.raises(ValueError, match=r"scratch_cfg\['target_sum'\] must be one of \('mma', 'reg'\), got 'sum'"):
+        sparse_mla_bwd(query, kv, idx, out, lse, dout, None, 0.2, 32, target=torch.zeros(idx.shape, device=DEV),
+                       scratch_cfg=dict(target_sum="sum"))
     for variant in ("fused", "split"):
         with pytest.raises(ValueError, match="needs variant 'scratch'"):
             sparse_mla_bwd(query, kv, idx, out, lse, dout, None, 0.2, 32, variant=variant,
@@ -126,6 +130,9 @@ def test_deferred_loss_errors():
     out, _, loss = sparse_mla_with_indexer_loss(query, kv, idx, 0.2, ql, w, k_idx, v_dim=32)
     with pytest.raises(RuntimeError, match="before \\(or without\\) the attention"):
         loss.backward()  # the attention output is not part of this backward: no target
+    with pytest.raises(ValueError, match=r"scratch_cfg\['target_sum'\] must be one of \('mma', 'reg'\), got 'sum'"):
+        sparse_mla_bwd(query, kv, idx, out, lse, dout, None, 0.2, 32, target=torch.zeros(idx.shape, device=DEV),
+                       scratch_cfg=dict(target_sum="sum"))
     for variant in ("fused", "split"):
         with pytest.raises(ValueError, match=f"bwd_variant='{variant}' cannot produce"):
             sparse_mla_with_indexer_loss(query, kv, idx, 0.2, ql, w, k_idx, v_dim=32, bwd_variant=variant)

@@ -323,3 +323,25 @@ def test_gpu_scratch_dkv_group_matches_default(group):
     a = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, scratch_cfg=dict(group=1), **kw)
     b = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, scratch_cfg=dict(group=group), **kw)
     assert torch.equal(b[1], a[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [16, 64])
+def test_gpu_target_sum_reg_matches_mma(N):
+    """scratch_cfg target_sum "reg" (P tiles added in fp32, one head sum per key block) against "mma" (P^T @ e0
+    per head block): the same bf16 P summed in fp32 in another order; dq / dkv untouched by it (bit-identical
+    with the deterministic dkv)."""
+    T, S, K = 1024, 3072, 2048
+    q, kv, idx = _gpu_case(T, N, S, K)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    out, lse = km.sparse_mla_fwd(q, kv, idx, 576 ** -0.5, 512)
+    do = torch.randn(T, N, 512, device="cuda", generator=gen).bfloat16()
+    res = {}
+    for ts in ("mma", "reg"):
+        tgt = torch.full((T, K), float("nan"), device="cuda")
+        res[ts] = km.sparse_mla_bwd(q, kv, idx, out, lse, do, None, 576 ** -0.5, 512, target=tgt, chunk_tokens=300,
+                                    deterministic=True, scratch_cfg=dict(target_sum=ts)) + (tgt,)
+    a, b = res["mma"], res["reg"]
+    assert torch.isfinite(b[2]).all() and torch.equal(b[2][idx < 0], torch.zeros_like(b[2][idx < 0]))
+    assert torch.equal(b[0], a[0]) and torch.equal(b[1], a[1])
+    torch.testing.assert_close(b[2], a[2], rtol=1e-5, atol=1e-6)

@@ -226,7 +226,7 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
 def _block_columns(R: tl.constexpr, H: tl.constexpr, LANE_ROWS: tl.constexpr):
     """Flattened (row * H + head) of each column of the score tile's MMA, [R*H] int32.
 
-    LANE_ROWS (R % 4 == 0, H even): column c = ((head // 2) * (R // 4) + row // 4) * 8 + (row % 4) * 2
+    LANE_ROWS (1 or 2, Config.head_sum's order; R % 4 == 0, H even): column c = ((head // 2) * (R // 4) + row // 4) * 8 + (row % 4) * 2
     + head % 2. An MMA accumulator gives lane l of a quad the column pairs {8j + 2l, 8j + 2l + 1}: with this
     order lane l holds every head of rows l, l + 4, ... and no other row, so the head sum stays inside the
     thread and each (key, row) score lives in one thread only. In (row, head) order the four lanes share
@@ -253,7 +253,11 @@ def _row_block_scores(b_k, b_qT, b_w, H: tl.constexpr, R: tl.constexpr, BLOCK_N:
         acc = tl.maximum(acc, 0.0)
     acc = acc * b_w[None, :]
     if LANE_ROWS:  # [BLOCK_N, head pair, row group, row in group, head parity]: sum the heads, keep the rows
-        sc = tl.sum(tl.sum(tl.reshape(acc, [BLOCK_N, H // 2, R // 4, 4, 2]), axis=4), axis=1)  # [BLOCK_N, R//4, 4]
+        acc = tl.reshape(acc, [BLOCK_N, H // 2, R // 4, 4, 2])
+        if LANE_ROWS == 2:  # Config.head_sum "chains": even and odd heads as two in-thread FFMA chains, then add
+            sc = tl.sum(tl.sum(acc, axis=1), axis=3)  # [BLOCK_N, R//4, 4]
+        else:  # "pairs": FMUL + FFMA per head pair, then a FADD chain over the pairs
+            sc = tl.sum(tl.sum(acc, axis=4), axis=1)  # [BLOCK_N, R//4, 4]
         return tl.reshape(sc, [BLOCK_N, R])
     return tl.sum(tl.reshape(acc, [BLOCK_N, R, H]), axis=2)  # [BLOCK_N, R]
 

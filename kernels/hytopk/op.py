@@ -20,6 +20,7 @@ _logged_reference = False
 WARM_Z = 4.0  # warm start: sampled quantile this many binomial standard deviations above the k boundary
 WARM_MIN = 16  # warm start: fewest visible sample keys a row needs to use it
 APPENDS = ("tile", "mask")  # Config.append values (kernel constexpr APPEND = index)
+HEAD_SUMS = ("pairs", "chains")  # Config.head_sum values (kernel constexpr HEAD_SUM = index)
 _warm_stats = None  # int32 [3] of the last warm-start launch (device tensor, read without a sync)
 
 
@@ -70,11 +71,17 @@ class Config:
     lane_rows: bool = True
     # candidate buffers hold the scores' raw fp32 bits: the key loop tests each score against the segment's
     # fp32 bound (_thr_score) and skips the int-key conversion per score; the select converts the buffered
-    # ones. Needs append="mask". sm_90a key loop 569 -> 555 instrs per 64-key tile (H 64). H200, 64K causal, one
-    # process each (session 11, bench/topk.py --parts sweep): H 64 74.30 -> 73.94 ms, H 32 47.62 -> 46.36. Same
-    # indices in the GPU tests; compiled, the head sum may round differently (FMA contraction): last-bit score
-    # differences on sums near 0. Opt-in until the whole HyTopK GPU suite has run with it.
-    raw_keys: bool = False
+    # ones. append="mask" only (ignored with "tile"). sm_90a key loop 569 -> 555 instrs per 64-key tile (H 64).
+    # H200, 64K causal, one process each (session 11, bench/topk.py --parts sweep): H 64 74.30 -> 73.94 ms, H 32
+    # 47.62 -> 46.36. Same indices in the GPU tests; compiled, the head sum may round differently (FMA
+    # contraction): last-bit score differences on sums near 0. Default since session 12 (the HyTopK GPU suite
+    # passed with it).
+    raw_keys: bool = True
+    # order of the fp32 head sum (LANE_ROWS launches): "chains" sums the even and the odd heads of each
+    # (key, row) as two in-thread chains (ReLU, then one FFMA per head) and adds the two; "pairs" (until
+    # session 12) summed head pairs first (FMUL + FFMA per pair), then the pair sums (one more FADD per pair).
+    # Same in the floor and in HyTopK (the shared scoring code). Index sets may differ only on fp32 near-ties.
+    head_sum: str = "chains"
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -85,8 +92,7 @@ def check_config(cfg: Config, interpret: bool) -> None:
     check(cfg.append != "mask" or cfg.block_n <= 64,
           f"hytopk: Config.append='mask' needs block_n <= 64 (one int64 bit mask per tile), got {cfg.block_n}; "
           "use append='tile' for larger key tiles")
-    check(not cfg.raw_keys or cfg.append == "mask",
-          f"hytopk: Config.raw_keys needs append='mask', got append={cfg.append!r}")
+    check(cfg.head_sum in HEAD_SUMS, f"hytopk: Config.head_sum must be one of {HEAD_SUMS}, got {cfg.head_sum!r}")
 
 
 def _pow2_ceil(x: int) -> int:
@@ -151,8 +157,8 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(write_scores), IEEE=bool(ieee),
                 WHILE_LOOPS=bool(interp), SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w,
                 WARM_Z=WARM_Z, WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
-                LANE_ROWS=lane_rows(cfg, R, H), LAZY_MAX=bool(lazy_max) and not select,
-                RAW=bool(cfg.raw_keys) and bool(select))
+                LANE_ROWS=(1 + HEAD_SUMS.index(cfg.head_sum)) if lane_rows(cfg, R, H) else 0, LAZY_MAX=bool(lazy_max) and not select,
+                RAW=bool(cfg.raw_keys) and bool(select) and cfg.append == "mask")
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):

@@ -331,11 +331,20 @@ def _sparse_mla_bwd_dkv_scratch_kernel(
             o_k, m_kk, b_idx, m_k = _dkv_block_slots(idx, i_t, i_kb, K, BLOCK_K)
             b_acc_v = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)  # [BLOCK_K, BLOCK_V]
             b_acc_r = tl.zeros([BLOCK_K, BLOCK_R], dtype=tl.float32)  # [BLOCK_K, BLOCK_R]
-            b_acc_t = tl.zeros([BLOCK_K, 16], dtype=tl.float32)  # [BLOCK_K, 16] TGT: only column 0 nonzero
+            b_acc_t = _target_acc(BLOCK_H, BLOCK_K, TGT)
             b_acc_v, b_acc_r, b_acc_t = _dkv_contract(b_qdo, b_qr, pds, i_c, o_h, o_hj, m_h, m_hj, o_k, m_kk, N, K,
                                                       b_acc_v, b_acc_r, b_acc_t, BLOCK_H, IEEE, TGT)
             _dkv_write(dkv, tgt, i_c, i_t, o_k, m_kk, b_idx, m_k, b_acc_v, b_acc_r, b_acc_t, DQK, V, R, K,
                        BLOCK_V, BLOCK_R, DETERMINISTIC, TGT)
+
+
+@triton.jit
+def _target_acc(BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TGT: tl.constexpr):
+    """The loss target's accumulator: TGT 1 ("mma"): [BLOCK_K, 16], P^T @ e0 (only column 0 nonzero); TGT 2
+    ("reg"): [BLOCK_H, BLOCK_K], P tiles added elementwise, the head sum taken once per key block."""
+    if TGT == 2:
+        return tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
+    return tl.zeros([BLOCK_K, 16], dtype=tl.float32)
 
 
 @triton.jit
@@ -374,7 +383,8 @@ def _dkv_head_rows(q, do, i_t, i_h, N, DQK: tl.constexpr, V: tl.constexpr, R: tl
 def _dkv_contract(b_qdo, b_qr, pds, i_c, o_h, o_hj, m_h, m_hj, o_k, m_kk, N, K: tl.constexpr, b_acc_v, b_acc_r,
                   b_acc_t, BLOCK_H: tl.constexpr, IEEE: tl.constexpr, TGT: tl.constexpr):
     """One head block's share of a key block: the stored dS / P against [q_v ; dO] and q's rope rows, added
-    to the accumulators (and, TGT, P's head sum on the tensor cores: P^T @ e0, column 0 ones)."""
+    to the accumulators (and, TGT 1, P's head sum on the tensor cores: P^T @ e0, column 0 ones; TGT 2, P
+    added to a [BLOCK_H, BLOCK_K] fp32 tile)."""
     o_j = tl.arange(0, 2 * BLOCK_H)
     # pds is [chunk, 2, N, K]: plane 0 = dS, plane 1 = P
     o_sj = ((i_c * 2 + (o_j >= BLOCK_H)).to(tl.int64) * N + o_hj)[:, None] * K + o_k[None, :]
@@ -383,7 +393,9 @@ def _dkv_contract(b_qdo, b_qr, pds, i_c, o_h, o_hj, m_h, m_hj, o_k, m_kk, N, K: 
     b_ds = tl.load(pds + o_s, mask=m_h[:, None] & m_kk[None, :], other=0.0)  # [BLOCK_H, BLOCK_K] (L1 / L2 hit)
     b_acc_v = _mac(tl.trans(b_dsp), b_qdo, b_acc_v, IEEE)
     b_acc_r = _mac(tl.trans(b_ds), b_qr, b_acc_r, IEEE)
-    if TGT:
+    if TGT == 2:  # scratch_cfg target_sum "reg": P added elementwise, summed over heads once in _dkv_write
+        b_acc_t += tl.load(pds + o_s + N * K, mask=m_h[:, None] & m_kk[None, :], other=0.0).to(tl.float32)
+    elif TGT:
         b_p = tl.load(pds + o_s + N * K, mask=m_h[:, None] & m_kk[None, :], other=0.0)  # [BLOCK_H, BLOCK_K] P
         b_e0 = (tl.arange(0, 16)[None, :] == 0) & (tl.arange(0, BLOCK_H)[:, None] >= 0)  # [BLOCK_H, 16]
         b_acc_t = _mac(tl.trans(b_p), b_e0.to(b_p.dtype), b_acc_t, IEEE)
@@ -399,7 +411,7 @@ def _dkv_write(dkv, tgt, i_c, i_t, o_k, m_kk, b_idx, m_k, b_acc_v, b_acc_r, b_ac
     o_v = tl.arange(0, BLOCK_V)
     o_r = tl.arange(0, BLOCK_R)
     if TGT:  # one program per (token, key block): a plain store, deterministic
-        tl.store(tgt + i_t.to(tl.int64) * K + o_k, tl.sum(b_acc_t, axis=1), mask=m_kk)
+        tl.store(tgt + i_t.to(tl.int64) * K + o_k, tl.sum(b_acc_t, axis=0 if TGT == 2 else 1), mask=m_kk)
     if DETERMINISTIC:  # contribution rows ordered (chunk token, slot), reduced later in sorted order
         e = i_c.to(tl.int64) * K + o_k  # [BLOCK_K]
         m_e = m_kk[:, None]
@@ -421,7 +433,7 @@ def _dkv_scratch_block(q, do, pds, dkv, tgt, idx, i_c, i_t, i_kb, N, DQK: tl.con
     o_k, m_kk, b_idx, m_k = _dkv_block_slots(idx, i_t, i_kb, K, BLOCK_K)
     b_acc_v = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)  # [BLOCK_K, BLOCK_V]
     b_acc_r = tl.zeros([BLOCK_K, BLOCK_R], dtype=tl.float32)  # [BLOCK_K, BLOCK_R]
-    b_acc_t = tl.zeros([BLOCK_K, 16], dtype=tl.float32)  # [BLOCK_K, 16] TGT: only column 0 nonzero
+    b_acc_t = _target_acc(BLOCK_H, BLOCK_K, TGT)
     for i_h in range(NHB):  # all heads of the token
         b_qdo, b_qr, o_h, o_hj, m_h, m_hj = _dkv_head_rows(q, do, i_t, i_h, N, DQK, V, R, BLOCK_H, BLOCK_V,
                                                             BLOCK_R, EVEN)
@@ -540,7 +552,10 @@ BWD_FUSED_CFG = dict(block_h=32, block_k=16, num_warps=8, num_stages=2)
 # group: key blocks per dkv program when all heads fit one head block (N <= 16), the token's q / dO rows loaded
 # once for all of them (None: 8 there, else 1). H200, N = 16 (session 10, bench/sparse_bwd_parts.py): dkv kernel
 # 64K 167.1 -> 142.5 / 141.4 / 140.6 ms with 2 / 4 / 8, 16K 29.1 -> 23.8 with 8.
-BWD_SCRATCH_CFG = dict(block_h=16, block_k=64, num_warps=8, num_stages=3, group=None)
+# target_sum: how the dkv kernel sums the loss target over heads: "mma" (P^T @ e0, one N = 16 MMA per head block)
+# or "reg" (P tiles added elementwise in fp32, one cross-thread sum per key block).
+BWD_SCRATCH_CFG = dict(block_h=16, block_k=64, num_warps=8, num_stages=3, group=None, target_sum="mma")
+TARGET_SUMS = ("mma", "reg")
 SCRATCH_GROUP_ONE_BLOCK = 8
 # its dq kernel with at most 16 heads (one 16-row M tile): 4 warps, 12.1 ms vs 23.8 with 8 at N = 16;
 # 8 warps above (N = 128: 117.6 vs 138.5 ms with 4)
@@ -581,7 +596,7 @@ def sparse_mla_fwd(q, kv, idx, softmax_scale, v_dim, block_h=None, block_k=None,
 
 _LAUNCH_KEYS = ("block_h", "block_k", "num_warps", "num_stages")
 CFG_KEYS = dict(dq=_LAUNCH_KEYS + ("split_mma", "asm_stores", "prefetch_idx"), dkv=_LAUNCH_KEYS,
-                fused=_LAUNCH_KEYS, scratch=_LAUNCH_KEYS + ("group",))
+                fused=_LAUNCH_KEYS, scratch=_LAUNCH_KEYS + ("group", "target_sum"))
 
 
 def check_cfg_keys(name: str, cfg, allowed) -> None:
@@ -746,12 +761,21 @@ def _bwd_scratch(q, kv, idx, out, lse, dout, dlse_c, delta, dq, dkv, args, meta,
             *args, N, n_hb, SCRATCH=True, **dq_launch)
         _sparse_mla_bwd_dkv_scratch_kernel[((r1 - r0) * triton.cdiv(n_kb, group),)](
             q, idx, dout, pds, buf if deterministic else dkv, r0, N, n_kb, DETERMINISTIC=deterministic,
-            tgt=target if target is not None else delta, TGT=target is not None, GROUP=group, **launch)
+            tgt=target if target is not None else delta, TGT=target_mode(cfg.get("target_sum"), target), GROUP=group,
+            **launch)
         if deterministic:
             deterministic_scatter_add_(dkv, idx[r0:r1].reshape(-1), buf[: (r1 - r0) * K])
         if over:  # stream order: after the dkv kernel that read q[r0:r1]
             q[r0:r1].copy_(dq_chunk[: r1 - r0])
     return dq, dkv
+
+
+def target_mode(target_sum, target) -> int:
+    """The scratch dkv kernel's TGT: 0 without a target buffer, else 1 + TARGET_SUMS.index(scratch_cfg target_sum)
+    (ValueError naming a bad value)."""
+    if target_sum not in TARGET_SUMS:
+        raise ValueError(f"sparse_mla_bwd: scratch_cfg['target_sum'] must be one of {TARGET_SUMS}, got {target_sum!r}")
+    return 0 if target is None else 1 + TARGET_SUMS.index(target_sum)
 
 
 def scratch_group(group, N: int, block_h: int) -> int:
