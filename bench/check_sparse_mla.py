@@ -236,6 +236,13 @@ def resources(N=128, K=2048):
         ("bwd_dkv_scratch", km._sparse_mla_bwd_dkv_scratch_kernel, SCRATCH_CFGS,
          dict(q="*bf16", idx="*i32", do="*bf16", pds="*bf16", dkv="*fp32", row0="i32",
               N="i32", N_KB="i32"), dict(DETERMINISTIC=False, GROUP=1)),
+        # with the loss target (scratch_cfg target_sum "mma": TGT 1, "reg": TGT 2)
+        ("bwd_dkv_scratch_target_mma", km._sparse_mla_bwd_dkv_scratch_kernel, SCRATCH_CFGS[:1],
+         dict(q="*bf16", idx="*i32", do="*bf16", pds="*bf16", dkv="*fp32", row0="i32", N="i32", N_KB="i32",
+              tgt="*fp32"), dict(DETERMINISTIC=False, GROUP=1, TGT=1)),
+        ("bwd_dkv_scratch_target_reg", km._sparse_mla_bwd_dkv_scratch_kernel, SCRATCH_CFGS[:1],
+         dict(q="*bf16", idx="*i32", do="*bf16", pds="*bf16", dkv="*fp32", row0="i32", N="i32", N_KB="i32",
+              tgt="*fp32"), dict(DETERMINISTIC=False, GROUP=1, TGT=2)),
         # scratch_cfg group (N <= 16: one head block): 4 key blocks per program, q / dO rows loaded once
         ("bwd_dkv_scratch_group4", km._sparse_mla_bwd_dkv_scratch_kernel, SCRATCH_CFGS[1:3],
          dict(q="*bf16", idx="*i32", do="*bf16", pds="*bf16", dkv="*fp32", row0="i32",
@@ -266,7 +273,8 @@ def resources(N=128, K=2048):
             try:
                 say(f"{name} {cfg}: " + _compile_report(fn, sig, const, cfg))
             except Exception as ex:  # noqa: BLE001
-                say(f"{name} {cfg}: compile failed {type(ex).__name__}: {str(ex)[:300]}")
+                msg = str(ex).strip().splitlines()
+                say(f"{name} {cfg}: compile failed {type(ex).__name__}: {msg[0] if msg else ''} ... {' | '.join(msg[-3:])[:400]}")
 
 
 def main():

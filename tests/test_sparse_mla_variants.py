@@ -19,6 +19,7 @@ import torch
 from hyscale_kernels.sparse_mla import sparse_mla
 from hyscale_kernels.sparse_mla import kernel as km
 from hyscale_kernels.sparse_mla.reference import sparse_mla_reference
+from interp_rerun import compile_sm90_in_subprocess
 from test_sparse_mla import _gpu_case
 
 needs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -345,3 +346,33 @@ def test_gpu_target_sum_reg_matches_mma(N):
     assert torch.isfinite(b[2]).all() and torch.equal(b[2][idx < 0], torch.zeros_like(b[2][idx < 0]))
     assert torch.equal(b[0], a[0]) and torch.equal(b[1], a[1])
     torch.testing.assert_close(b[2], a[2], rtol=1e-5, atol=1e-6)
+
+
+_AOT_TARGET = r"""
+import sys
+sys.path.insert(0, %r)
+import conftest  # noqa: F401  (hyscale_kernels on the path)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hyscale_kernels.sparse_mla import kernel as km
+fn = km._sparse_mla_bwd_dkv_scratch_kernel
+sig = dict(q="*bf16", idx="*i32", do="*bf16", pds="*bf16", dkv="*fp32", row0="i32", N="i32", N_KB="i32", tgt="*fp32")
+c = km.BWD_SCRATCH_CFG
+for tgt in (1, 2):
+    const = dict(DQK=576, V=512, R=64, K=2048, BLOCK_V=512, BLOCK_R=64, IEEE=False, EVEN=True, BLOCK_H=c["block_h"],
+                 BLOCK_K=c["block_k"], NHB=4, DETERMINISTIC=False, GROUP=1, TGT=tgt)
+    k = triton.compile(ASTSource(fn, dict(sig, **{n: "constexpr" for n in const}), const, {}),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]))
+    print("OK", tgt, k.asm["ptx"].count("wgmma.mma_async"))
+"""
+
+
+def test_scratch_target_sums_compile_sm90():
+    """Both scratch_cfg target_sum ways compile for sm_90 at the production shape (N 64, k 2048, default launch):
+    the interpreter runs Python and does not see Triton's compile-time rules (session 12: "reg" first returned
+    two accumulator shapes from one function, which only the compiler refuses). "reg" has no MMA of its own."""
+    out = compile_sm90_in_subprocess(_AOT_TARGET % os.path.dirname(__file__), timeout=600)
+    lines = dict(line.split()[1:] for line in out.splitlines() if line.startswith("OK"))
+    assert set(lines) == {"1", "2"}, out
+    assert int(lines["2"]) < int(lines["1"]), out

@@ -342,9 +342,11 @@ def _sparse_mla_bwd_dkv_scratch_kernel(
 def _target_acc(BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TGT: tl.constexpr):
     """The loss target's accumulator: TGT 1 ("mma"): [BLOCK_K, 16], P^T @ e0 (only column 0 nonzero); TGT 2
     ("reg"): [BLOCK_H, BLOCK_K], P tiles added elementwise, the head sum taken once per key block."""
-    if TGT == 2:
-        return tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
-    return tl.zeros([BLOCK_K, 16], dtype=tl.float32)
+    if TGT == 2:  # (one return: Triton refuses returns of two shapes, even under a constexpr branch)
+        b_acc = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
+    else:
+        b_acc = tl.zeros([BLOCK_K, 16], dtype=tl.float32)
+    return b_acc
 
 
 @triton.jit
