@@ -555,8 +555,10 @@ BWD_FUSED_CFG = dict(block_h=32, block_k=16, num_warps=8, num_stages=2)
 # once for all of them (None: 8 there, else 1). H200, N = 16 (session 10, bench/sparse_bwd_parts.py): dkv kernel
 # 64K 167.1 -> 142.5 / 141.4 / 140.6 ms with 2 / 4 / 8, 16K 29.1 -> 23.8 with 8.
 # target_sum: how the dkv kernel sums the loss target over heads: "mma" (P^T @ e0, one N = 16 MMA per head block)
-# or "reg" (P tiles added elementwise in fp32, one cross-thread sum per key block).
-BWD_SCRATCH_CFG = dict(block_h=16, block_k=64, num_warps=8, num_stages=3, group=None, target_sum="mma")
+# or "reg" (P tiles added elementwise in fp32, one cross-thread sum per key block; default since session 12).
+# H200, T = 16K, k 2048 (bench/sparse_bwd_parts.py, dkv kernel without / with the target): N = 64 "mma" 34.52 ->
+# 37.36 ms (+2.84), "reg" 34.46 -> 36.54 (+2.08); N = 16 23.85 -> 27.68 (+3.83) vs 23.77 -> 27.40 (+3.63).
+BWD_SCRATCH_CFG = dict(block_h=16, block_k=64, num_warps=8, num_stages=3, group=None, target_sum="reg")
 TARGET_SUMS = ("mma", "reg")
 SCRATCH_GROUP_ONE_BLOCK = 8
 # its dq kernel with at most 16 heads (one 16-row M tile): 4 warps, 12.1 ms vs 23.8 with 8 at N = 16;
