@@ -378,7 +378,8 @@ def install_kernel_standins():
             del valid, tn, s, l, ls, term, r, tsum
         return kl_, lse, den
 
-    def _triton_bwd(q, w, k, idx, g, relu, deterministic, block_j=32, buf_elems=1 << 26, kl=None, dq_over_q=False):
+    def _triton_bwd(q, w, k, idx, g, relu, deterministic, block_j=32, buf_elems=1 << 26, kl=None, dq_over_q=False,
+                    row_coef=None):
         T, H, D = q.shape
         dq = torch.empty(T, H, D, dtype=q.dtype, device=q.device) if not dq_over_q else None
         dw = torch.empty(T, H, dtype=w.dtype if w.dtype.is_floating_point else torch.float32, device=q.device)
@@ -391,6 +392,8 @@ def install_kernel_standins():
                 tn = target / tsum.clamp_min(1e-10)[:, None]
                 g = (coef[:, None] * (p * tn.sum(-1, keepdim=True) - tn)).masked_fill(~valid, 0.0)
                 del p, tn, valid
+            elif row_coef is not None:  # the kernel scales g's rows as it loads them: no buffer (in place here)
+                g = g.mul_(row_coef[:, None])
             a, b, c = ss._torch_bwd(q, w, k, idx, g, relu)
             if dq is None:  # written over the recomputed q, as the kernel does
                 q.copy_(a)

@@ -376,6 +376,34 @@ def test_bwd_prefetch_idx_bit_identical(relu):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@needs_triton
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_bwd_row_coef_equals_prescaled_g(deterministic):
+    """row_coef (the loss's per-row d loss / d kl, applied as the kernel loads g) gives what scaling g first
+    gave, bit for bit (dq, dw; dk with the deterministic scatter), and leaves g as it is; bad row_coef
+    (shape, dtype) and row_coef with the fused KL are errors."""
+    T, H, D, S, K = 5, 6, 32, 60, 45
+    q, w, k, idx = _case(T, H, D, S, K, seed=7)
+    g = torch.randn(T, K, generator=torch.Generator().manual_seed(8)).masked_fill(idx < 0, 0.0)
+    coef = torch.tensor([0.5, -2.0, 0.0, 3.0, 1e-3])
+    g0 = g.clone()
+    got = ss_mod._triton_bwd(q, w, k, idx, g, True, deterministic, row_coef=coef)
+    assert torch.equal(g, g0)
+    ref = ss_mod._triton_bwd(q, w, k, idx, g * coef[:, None], True, deterministic)
+    for a, b in zip(got, ref):
+        assert not torch.isnan(a).any()
+        if deterministic or a is not got[2]:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"row_coef must be a contiguous fp32 \[5\]"):
+        ss_mod._triton_bwd(q, w, k, idx, g, True, deterministic, row_coef=coef[:4])
+    with pytest.raises(ValueError, match="row_coef must be a contiguous fp32"):
+        ss_mod._triton_bwd(q, w, k, idx, g, True, deterministic, row_coef=coef.double())
+    with pytest.raises(ValueError, match="row_coef and kl are exclusive"):
+        ss_mod._triton_bwd(q, w, k, idx, None, True, deterministic, row_coef=coef, kl=(g, g, coef, coef, coef))
+
+
 @pytest.mark.gpu
 def test_gpu_fwd_blocks_per_prog_bit_identical():
     """bf16, 64 index heads x 128, k = 2048: whole-row forward programs against one block per program."""

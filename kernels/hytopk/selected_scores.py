@@ -130,11 +130,12 @@ def _selected_scores_bwd_kernel(
     q, w, k, idx, g, dq, dw, dk, row0, sc, tg, r_lse, r_tsum, r_coef, eps,
     H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, DETERMINISTIC: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, KL: tl.constexpr,
-    PREFETCH_IDX: tl.constexpr = False, DK_T: tl.constexpr = False,
+    PREFETCH_IDX: tl.constexpr = False, DK_T: tl.constexpr = False, ROW_COEF: tl.constexpr = False,
 ):
     """PREFETCH_IDX: each slot block's indices are loaded one block ahead (loop-carried), so the pipelined
     gather of the next key rows does not wait on a synchronous index load (as the sparse MLA forward).
-    DK_T: dk from 3 MMAs instead of 4 (see below)."""
+    DK_T: dk from 3 MMAs instead of 4 (see below). ROW_COEF (not KL): the stored g row is scaled by r_coef[t]
+    as it is loaded (the loss's d loss / d kl per row; no separate pass over the [T, K] fp32 g)."""
     # query row; the program walks all its selected slots (K is constexpr: a static loop, which
     # the interpreter with numpy >= 2.5 needs; topk takes few values per model anyway)
     i_t = tl.program_id(0) + row0
@@ -153,6 +154,8 @@ def _selected_scores_bwd_kernel(
         k_den = tl.maximum(k_tsum, eps)
         k_tnsum = k_tsum / k_den
         k_coef = tl.load(r_coef + i_t)
+    elif ROW_COEF:
+        k_coef = tl.load(r_coef + i_t)
     b_idx_next = _load_slots(idx, i_t, 0, K, BLOCK_J)  # [BLOCK_J] (PREFETCH_IDX)
     for j0 in range(0, K, BLOCK_J):
         if PREFETCH_IDX:
@@ -167,6 +170,8 @@ def _selected_scores_bwd_kernel(
             b_g = tl.where(m_j, k_coef * (tl.exp(b_sc - k_lse) * k_tnsum - b_tn), 0.0)  # [BLOCK_J]
         else:
             b_g = tl.load(g + i_t.to(tl.int64) * K + o_j, mask=m_j, other=0.0)  # [BLOCK_J]
+            if ROW_COEF:
+                b_g = b_g * k_coef
         # dq takes dS [H, J] and dk takes dS^T [J, H], each built in its own orientation and fed to
         # the MMA as the A operand straight from registers (with ReLU, from a second score MMA in the
         # transposed orientation). Never tl.trans a dS tile (dk = dot(trans(dS), q) did): on Hopper
@@ -253,9 +258,11 @@ BWD_CFG = dict(block_j=64, block_j_det=32, prefetch_idx=True, num_warps=4, num_s
 
 def _triton_bwd(q, w, k, idx, g, relu: bool, deterministic: bool, block_j: int | None = None,
                 buf_elems: int = 1 << 26, kl=None, dq_over_q: bool = False, prefetch_idx: bool | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, dk_t: bool | None = None):
+                num_warps: int | None = None, num_stages: int | None = None, dk_t: bool | None = None,
+                row_coef=None):
     """``kl=(scores, target, lse, tsum, coef)``: take g from the fused KL (``indexer_loss.kl``) instead of
-    a stored gradient tensor (``g`` is then None). ``dq_over_q``: write dq into q's own storage (the
+    a stored gradient tensor (``g`` is then None). ``row_coef`` (fp32 [T], contiguous; not with ``kl``): g's row t
+    is taken times row_coef[t] (the same fp32 product as scaling g first). ``dq_over_q``: write dq into q's own storage (the
     caller owns q and no longer needs it: a recomputed q; saves a [T, H, D] buffer, 16 GiB at 1M x 64
     x 128). Safe because each program loads its query row once, before the slot loop, and is the only
     one to read or write that row."""
@@ -276,9 +283,17 @@ def _triton_bwd(q, w, k, idx, g, relu: bool, deterministic: bool, block_j: int |
                 PREFETCH_IDX=bool(BWD_CFG["prefetch_idx"] if prefetch_idx is None else prefetch_idx),
                 DK_T=bool(BWD_CFG["dk_t"] if dk_t is None else dk_t),
                 num_warps=num_warps or BWD_CFG["num_warps"], num_stages=num_stages or BWD_CFG["num_stages"])
+    if row_coef is not None:
+        if kl is not None:
+            raise ValueError("selected_scores backward: row_coef and kl are exclusive (kl carries its own coef)")
+        if not (row_coef.dtype == torch.float32 and tuple(row_coef.shape) == (T,) and row_coef.is_contiguous()
+                and row_coef.device == q.device):
+            raise ValueError(f"selected_scores backward: row_coef must be a contiguous fp32 [{T}] tensor on "
+                             f"{q.device}, got {row_coef.dtype} {tuple(row_coef.shape)}")
+    meta["ROW_COEF"] = row_coef is not None
     if kl is None:
         z = dq
-        kl_args = (z, z, z, z, z, 0.0)
+        kl_args = (z, z, z, z, row_coef if row_coef is not None else z, 0.0)
     else:
         from ..indexer_loss.kl import EPS  # noqa: PLC0415
 

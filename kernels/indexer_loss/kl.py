@@ -140,7 +140,7 @@ class _SparseKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_rows):
-        if ctx.used:  # G is scaled in place below
+        if ctx.used:  # one backward per graph (dq may take the storage of a recomputed q)
             raise RuntimeError("sparse_kl: backward through the same graph twice (retain_graph) is not supported")
         ctx.used = True
         q, w, k, indices, grad, row_mask = ctx.saved_tensors
@@ -150,17 +150,19 @@ class _SparseKL(torch.autograd.Function):
 
 
 def kl_score_backward(q, w, k, indices, grad, coef, relu: bool, deterministic: bool, dk_fp32: bool = False):
-    """(dq, dw, dk) of the indexer from G = d kl / d scores (fp32 [T, topk], scaled by ``coef`` in place:
-    no second [T, topk] fp32 buffer), through the selected-scores backward kernel. ``dk_fp32``: dk stays
-    fp32 (a partial sum still to be reduced across ranks), else in k's dtype."""
+    """(dq, dw, dk) of the indexer from G = d kl / d scores (fp32 [T, topk]) times ``coef`` (fp32 [T, 1] or
+    [1, 1], d loss / d kl per row), through the selected-scores backward kernel, which scales each G row as it
+    loads it (no pass over G; G is left as it is). ``dk_fp32``: dk stays fp32 (a partial sum still to be
+    reduced across ranks), else in k's dtype."""
     from ..hytopk.selected_scores import _triton_bwd  # noqa: PLC0415
 
     dq_dtype = q.dtype
-    grad.mul_(coef)
+    T = grad.shape[0]
+    row_coef = coef.float().reshape(-1).expand(T).contiguous()  # [T]
     # a q recomputed for this backward alone (hyscale_megatron.indexer_recompute marks it) takes dq
     # in place: one [T, H_I, D_I] buffer less at the step's peak (16 GiB at 1M tokens, 64 x 128)
     over = take_scratch(q)
-    dq, dw, dk = _triton_bwd(q, w, k, indices, grad, relu, deterministic, dq_over_q=over)
+    dq, dw, dk = _triton_bwd(q, w, k, indices, grad, relu, deterministic, dq_over_q=over, row_coef=row_coef)
     del q
     return dq.to(dq_dtype), dw.to(w.dtype), dk if dk_fp32 else dk.to(k.dtype)
 
