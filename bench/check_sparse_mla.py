@@ -274,7 +274,8 @@ def resources(N=128, K=2048):
                 say(f"{name} {cfg}: " + _compile_report(fn, sig, const, cfg))
             except Exception as ex:  # noqa: BLE001
                 msg = str(ex).strip().splitlines()
-                say(f"{name} {cfg}: compile failed {type(ex).__name__}: {msg[0] if msg else ''} ... {' | '.join(msg[-3:])[:400]}")
+                tail = " | ".join(msg[-3:])[:400]
+                say(f"{name} {cfg}: compile failed {type(ex).__name__}: {msg[0] if msg else ''} ... {tail}")
 
 
 def main():

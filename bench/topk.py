@@ -143,7 +143,8 @@ if args.resources:  # the default launch (append mask, 2-bit select, warm start 
     # session-11 parts (int keys, pair head sum), warm start off / 512, the prefix-sum append, 1-bit select, the floors
     _base = Config()
     resources([_base, replace(_base, raw_keys=False), replace(_base, head_sum="pairs"),
-               replace(_base, raw_keys=False, head_sum="pairs"), replace(_base, warm_start=0), replace(_base, warm_start=512),
+               replace(_base, raw_keys=False, head_sum="pairs"), replace(_base, warm_start=0),
+               replace(_base, warm_start=512),
                replace(_base, append="tile"),
                replace(_base, search_bits=1), replace(_base, append="tile", search_bits=1), ("floor", _base),
                ("floor lazy max", _base), ("floor lazy max", replace(_base, head_sum="pairs"))])

@@ -363,7 +363,8 @@ for tgt in (1, 2):
     const = dict(DQK=576, V=512, R=64, K=2048, BLOCK_V=512, BLOCK_R=64, IEEE=False, EVEN=True, BLOCK_H=c["block_h"],
                  BLOCK_K=c["block_k"], NHB=4, DETERMINISTIC=False, GROUP=1, TGT=tgt)
     k = triton.compile(ASTSource(fn, dict(sig, **{n: "constexpr" for n in const}), const, {}),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]))
+                       target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]))
     print("OK", tgt, k.asm["ptx"].count("wgmma.mma_async"))
 """
 

@@ -226,8 +226,8 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
 def _block_columns(R: tl.constexpr, H: tl.constexpr, LANE_ROWS: tl.constexpr):
     """Flattened (row * H + head) of each column of the score tile's MMA, [R*H] int32.
 
-    LANE_ROWS (1 or 2, Config.head_sum's order; R % 4 == 0, H even): column c = ((head // 2) * (R // 4) + row // 4) * 8 + (row % 4) * 2
-    + head % 2. An MMA accumulator gives lane l of a quad the column pairs {8j + 2l, 8j + 2l + 1}: with this
+    LANE_ROWS (1 or 2: Config.head_sum's order; R % 4 == 0, H even): column c = ((head // 2) * (R // 4) + row // 4)
+    * 8 + (row % 4) * 2 + head % 2. An MMA accumulator gives lane l of a quad the column pairs {8j + 2l, 8j + 2l + 1}: with this
     order lane l holds every head of rows l, l + 4, ... and no other row, so the head sum stays inside the
     thread and each (key, row) score lives in one thread only. In (row, head) order the four lanes share
     every row: the sum needs shuffles and leaves each score in four threads, which then all ran the

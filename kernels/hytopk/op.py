@@ -20,7 +20,7 @@ _logged_reference = False
 WARM_Z = 4.0  # warm start: sampled quantile this many binomial standard deviations above the k boundary
 WARM_MIN = 16  # warm start: fewest visible sample keys a row needs to use it
 APPENDS = ("tile", "mask")  # Config.append values (kernel constexpr APPEND = index)
-HEAD_SUMS = ("pairs", "chains")  # Config.head_sum values (kernel constexpr HEAD_SUM = index)
+HEAD_SUMS = ("pairs", "chains")  # Config.head_sum values (kernel constexpr LANE_ROWS = 1 + index; 0: lane_rows off)
 _warm_stats = None  # int32 [3] of the last warm-start launch (device tensor, read without a sync)
 
 
@@ -157,7 +157,8 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(write_scores), IEEE=bool(ieee),
                 WHILE_LOOPS=bool(interp), SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w,
                 WARM_Z=WARM_Z, WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
-                LANE_ROWS=(1 + HEAD_SUMS.index(cfg.head_sum)) if lane_rows(cfg, R, H) else 0, LAZY_MAX=bool(lazy_max) and not select,
+                LANE_ROWS=(1 + HEAD_SUMS.index(cfg.head_sum)) if lane_rows(cfg, R, H) else 0,
+                LAZY_MAX=bool(lazy_max) and not select,
                 RAW=bool(cfg.raw_keys) and bool(select) and cfg.append == "mask")
 
 
