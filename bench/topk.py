@@ -139,10 +139,11 @@ def resources(cfgs, H=64, D=128, kk=2048):
             print(f"#{i} {cfg}: compile failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
 
-if args.resources:  # the default launch (append mask, 2-bit select, warm start 1024, raw keys, chain head sum), its
-    # session-11 parts (int keys, pair head sum), warm start off / 512, the prefix-sum append, 1-bit select, the floors
+if args.resources:  # the default launch (append mask, 2-bit select, warm start 1024, raw keys, chain head sum), the
+    # per-warp append, the session-11 parts (int keys, pair head sum), warm start off / 512, the prefix-sum append,
+    # 1-bit select, the floors
     _base = Config()
-    resources([_base, replace(_base, raw_keys=False), replace(_base, head_sum="pairs"),
+    resources([_base, replace(_base, append="warps"), replace(_base, raw_keys=False), replace(_base, head_sum="pairs"),
                replace(_base, raw_keys=False, head_sum="pairs"), replace(_base, warm_start=0),
                replace(_base, warm_start=512),
                replace(_base, append="tile"),
@@ -343,6 +344,12 @@ def _scores_at(q, w, k, idx, relu):
     return (s * w.float()[:, :, None]).sum(1)
 
 
+def by_index(idx, val):
+    """Rows sorted by key index, -1 padding last (the order of every append but "warps")."""
+    order = torch.where(idx < 0, torch.iinfo(torch.int32).max, idx).argsort(dim=1, stable=True)
+    return idx.gather(1, order), val.gather(1, order)
+
+
 def variant_cfgs(base):
     """Exact variants the check compares bit for bit to the default: warm start off / 512 (the default
     before session 10), the prefix-sum append and the 1-bit select (the defaults before session 6)."""
@@ -368,6 +375,10 @@ def check_warm(name, q, w, k, st, en, kk, relu):
         i1, v1 = hytopk(q, w, k, st, en, kk, relu=relu, return_scores=True, config=cfg)
         ws = warm_stats() if cfg.warm_start else None
         i2, v2 = hytopk(q, w, k, st, en, kk, relu=relu, return_scores=True, config=cfg)
+        det = bool(torch.equal(i1, i2) and torch.equal(v1, v2))  # as returned (order included)
+        n_nondet = int((i1 != i2).any(1).sum())
+        if cfg.append == "warps":  # buffer order, not ascending: compared to the default sorted by key index
+            i1, v1 = by_index(i1, v1)
         idx_rows = (i1 != ref_i).any(1)
         val_rows = ~(torch.isclose(v1, ref_v, rtol=0, atol=0) | (torch.isinf(v1) & torch.isinf(ref_v))).all(1)
         # scores of the variant vs the default where both picked the same slot index: rounding only?
@@ -377,8 +388,7 @@ def check_warm(name, q, w, k, st, en, kk, relu):
                    equal_to_default=bool(torch.equal(i1, ref_i) and torch.equal(v1, ref_v)),
                    rows_idx_differ=int(idx_rows.sum()), rows_scores_differ=int(val_rows.sum()),
                    same_slot_score_max_rel=max_rel,
-                   deterministic=bool(torch.equal(i1, i2) and torch.equal(v1, v2)),
-                   rows_nondeterministic=int((i1 != i2).any(1).sum()), **(ws or {}))
+                   deterministic=det, rows_nondeterministic=n_nondet, **(ws or {}))
         if idx_rows.any():  # first differing row: are the two selections both valid top-k sets?
             r = int(idx_rows.nonzero()[0, 0])
             a, b = set(i1[r].tolist()) - {-1}, set(ref_i[r].tolist()) - {-1}
@@ -453,6 +463,7 @@ SWEEP = [
     replace(_D, raw_keys=False),  # cfg20: int keys in the key loop (the default until session 12)
     replace(_D, head_sum="pairs"),  # cfg21: the head sum's order until session 12 (FMUL + FFMA per head pair)
     replace(_D, raw_keys=False, head_sum="pairs"),  # cfg22: the session-11 default
+    replace(_D, append="warps"),  # cfg23: session 13, per-warp candidate regions (no cross-warp exchange per tile)
 ]
 BEST = {}
 if "sweep" in args.parts:
@@ -477,7 +488,8 @@ if "sweep" in args.parts:
                      replace(SWEEP[0], rows_x_heads=128, raw_keys=True),  # cfg8: session 11 (= cfg2 since s. 12)
                      replace(SWEEP[0], rows_x_heads=128, raw_keys=False),  # cfg9
                      replace(SWEEP[0], rows_x_heads=128, head_sum="pairs"),  # cfg10
-                     replace(SWEEP[0], rows_x_heads=128, raw_keys=False, head_sum="pairs")]  # cfg11: s. 11 default
+                     replace(SWEEP[0], rows_x_heads=128, raw_keys=False, head_sum="pairs"),  # cfg11: s. 11 default
+                     replace(SWEEP[0], rows_x_heads=128, append="warps")]  # cfg12: session 13
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],

@@ -149,9 +149,10 @@ def test_interpreter_in_subprocess():
 
 
 def test_config_append_checked():
-    """Config.append: "mask" (the default; block_n <= 64: one int64 mask per tile) or "tile"; anything
-    else is refused naming the field, mask with larger tiles says to use "tile"."""
-    assert Config().append == "mask" and Config().search_bits == 2 and op.APPENDS == ("tile", "mask")
+    """Config.append: "mask" (the default; block_n <= 64: one int64 mask per tile), "tile" or "warps"
+    (tests/test_hytopk_warps.py); anything else is refused naming the field, mask with larger tiles says to
+    use "tile"."""
+    assert Config().append == "mask" and Config().search_bits == 2 and op.APPENDS == ("tile", "mask", "warps")
     for value in op.APPENDS:
         op.check_config(Config(append=value), interpret=False)
     for bad in ("pair", "", 2, None):

@@ -52,6 +52,10 @@ def _key_to_score(key):
 
 
 RAW_NONE = tl.constexpr(-1)  # RAW buffers: the fp32 bits (a NaN) whose key is INT32_MIN (never counted)
+# Config.append="warps": key groups per tile, each appending to its own region of a row's buffer. 4 = the warps
+# of one warpgroup along the MMA's M side (a wgmma warp holds 16 consecutive keys of a 64-key tile), so a
+# group's mask, counts and slots stay inside one warp: no cross-warp exchange in the key loop.
+KEY_GROUPS = tl.constexpr(4)
 
 
 @triton.jit
@@ -62,6 +66,34 @@ def _load_keys(ptrs, mask, RAW: tl.constexpr):
         return _score_to_key(tl.load(ptrs, mask=mask, other=RAW_NONE).to(tl.float32, bitcast=True))
     else:
         return tl.load(ptrs, mask=mask, other=INT32_MIN)
+
+
+@triton.jit
+def _slot_valid(o_c, cnt, WARPS: tl.constexpr):
+    """[R, C] which slots o_c [C] to read: a row's packed prefix [0, cnt) or, WARPS (append="warps"), every slot:
+    the key groups' regions leave holes, which hold RAW_NONE (key INT32_MIN: never counted, never kept)."""
+    if WARPS:
+        return (o_c[None, :] >= 0) & (cnt[:, None] >= 0)
+    return o_c[None, :] < cnt[:, None]
+
+
+@triton.jit
+def _fill_none(key_rows, n_keep, R: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr):
+    """append="warps": slots [n_keep[r], CAP) of each row's buffer get RAW_NONE, so that the regions' unused
+    slots (holes) read as no candidate. Plain stores; the caller puts a barrier before the next appends."""
+    o_h = tl.arange(0, CHUNK)
+    for i_c in range(0, CAP, CHUNK):
+        o_cc = i_c + o_h  # [CHUNK]
+        tl.store(key_rows[:, None] + o_cc[None, :], tl.full([R, CHUNK], RAW_NONE, tl.int32),
+                 mask=o_cc[None, :] >= n_keep[:, None])
+
+
+@triton.jit
+def _n_buffered(cnt, cnt_g, WARPS: tl.constexpr):
+    """Candidates held per row [R]: the packed prefix plus (WARPS) every key group's region."""
+    if WARPS:
+        return cnt + tl.sum(cnt_g, axis=0)
+    return cnt
 
 
 @triton.jit
@@ -104,7 +136,8 @@ def _kth_key(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: 
 
 
 @triton.jit
-def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.constexpr = False):
+def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
+              WARPS: tl.constexpr = False):
     """Radix select of each row's top kk buffered keys, two bits per pass (16 passes at most).
 
     Two bits per pass from the top, in the biased (unsigned-order) domain: keep the largest prefix
@@ -118,8 +151,12 @@ def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.con
     kk - n_gt keys equal to kth (buffer order); ``rank`` marks rows where more keys equal kth than
     fit (only those need the tie ranking). Stopped rows: kth = L - 1, n_gt = kk. Rows with
     cnt <= kk are left unspecified (the caller keeps all their keys). n_gt comes from the passes'
-    own counts: no extra counting pass.
+    own counts: no extra counting pass. WARPS: cnt is the packed prefix, cnt_g the regions' counts; every slot
+    is read (_slot_valid).
     """
+    o_all = tl.arange(0, CAP)  # [CAP]
+    m_all = _slot_valid(o_all, cnt, WARPS)  # [R, CAP]
+    cnt = _n_buffered(cnt, cnt_g, WARPS)
     pre = tl.zeros_like(cnt)  # [R] biased prefix
     c_lo = cnt  # [R] keys >= the bucket's lower bound (every buffered key for the empty prefix)
     c_hi = tl.zeros_like(cnt)  # [R] keys >= the bucket's upper bound (none above the full range)
@@ -127,8 +164,7 @@ def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.con
     done = cnt <= kk
     n_open = tl.sum((~done).to(tl.int32), axis=0)
     # the buffer read once into registers (a while loop would otherwise reload it from L2 every pass)
-    o_all = tl.arange(0, CAP)  # [CAP]
-    b_keys = _load_keys(key_rows[:, None] + o_all[None, :], o_all[None, :] < cnt[:, None], RAW)  # [R, CAP]
+    b_keys = _load_keys(key_rows[:, None] + o_all[None, :], m_all, RAW)  # [R, CAP]
     i_b = 30
     while (n_open > 0) & (i_b >= 0):  # bits (i_b + 1, i_b): (31, 30) ... (1, 0), all 32
         a1 = pre | (one << i_b)
@@ -158,44 +194,80 @@ def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.con
 
 
 @triton.jit
+def _tie_index_bound(key_rows, idx_rows, kth, n_eq, m_r, R: tl.constexpr, CAP: tl.constexpr,
+                     CHUNK: tl.constexpr, RAW: tl.constexpr):
+    """append="warps": rows m_r keep n_eq of their buffered keys equal to kth, the lowest key indices (the tie
+    rule) wherever they sit in the buffer. Returns the n_eq-th smallest such index [R] (INT32_MAX elsewhere): the
+    largest x with fewer than n_eq tied indices < x, bit by bit from the top (indices are distinct within a row).
+    Chunked counting passes (no [R, CAP] tile held): only rows with more ties at the k-th key than fit get here."""
+    o_h = tl.arange(0, CHUNK)
+    pre = tl.zeros_like(kth)  # [R]
+    one = tl.full([R], 1, dtype=tl.int32)
+    for i_b in range(30, -1, -1):  # key indices are >= 0: bit 31 is never set
+        cand = pre | (one << i_b)  # [R]
+        c_acc = tl.zeros([R, CHUNK], dtype=tl.int32)  # [R, CHUNK] partial counts
+        for i_c in range(0, CAP, CHUNK):
+            o_cc = i_c + o_h  # [CHUNK]
+            b_k = _load_keys(key_rows[:, None] + o_cc[None, :], o_cc[None, :] < CAP, RAW)  # [R, CHUNK] (holes:
+            b_i = tl.load(idx_rows[:, None] + o_cc[None, :])  # [R, CHUNK]                  INT32_MIN != kth)
+            c_acc += ((b_k == kth[:, None]) & (b_i < cand[:, None])).to(tl.int32)
+        pre = tl.where(tl.sum(c_acc, axis=1) < n_eq, cand, pre)
+    return tl.where(m_r, pre, INT32_MAX)
+
+
+@triton.jit
 def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                   FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr,
-                  CHUNK: tl.constexpr, SEARCH2: tl.constexpr, RAW: tl.constexpr = False):
+                  CHUNK: tl.constexpr, SEARCH2: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
+                  WARPS: tl.constexpr = False):
     """Keep each row's exact top-kk of its buffer (all of it where cnt <= kk), stably.
 
     key_rows/idx_rows: [R] pointers to the rows' buffers. dst_*: [R] row pointers of the
     destination: the buffer itself when compacting in place, the output rows when FINAL (keys
     become fp32 scores there). Returns the kk-th key [R] (INT32_MIN where nothing was dropped).
+    WARPS (append="warps", SEARCH2, RAW only): the buffer is the packed prefix [0, cnt) plus the key groups'
+    regions (cnt_g [KEY_GROUPS, R] keys in each), every other slot RAW_NONE; buffer order is then not key-index
+    order, so the keys equal to the kk-th that fit are the ones with the lowest key indices (_tie_index_bound).
+    Compacting, every row is packed (the holes removed) and its slots past the kept ones reset to RAW_NONE.
     """
     o_h = tl.arange(0, CHUNK)
-    need = cnt > kk  # [R]
+    n_tot = _n_buffered(cnt, cnt_g, WARPS)  # [R]
+    need = n_tot > kk  # [R]
     kth = tl.full([R], INT32_MIN, dtype=tl.int32)
     n_eq = tl.full([R], CAP, dtype=tl.int32)  # keys equal to kth still to keep
     n_rank = 0  # SEARCH2: rows whose keys equal to kth must be ranked (more of them than fit)
-    if tl.max(cnt, axis=0) > kk:
+    x_tie = tl.full([R], INT32_MAX, dtype=tl.int32)  # WARPS: keys equal to kth are kept up to this key index
+    if tl.max(n_tot, axis=0) > kk:
         if SEARCH2:
-            kth_2, n_gt, rank = _kth_key2(key_rows, cnt, kk, R, CAP, RAW)
+            kth_2, n_gt, rank = _kth_key2(key_rows, cnt, kk, R, CAP, RAW, cnt_g, WARPS)
             kth = tl.where(need, kth_2, INT32_MIN)
             n_rank = tl.sum((need & rank).to(tl.int32), axis=0)
         else:
             kth = tl.where(need, _kth_key(key_rows, cnt, kk, o_h, R, CAP, CHUNK, RAW), INT32_MIN)
             n_gt = _count_ge(key_rows, cnt, kth + 1, o_h, R, CAP, CHUNK, RAW)  # kth < INT32_MAX always
         n_eq = tl.where(need, kk - n_gt, CAP)
+        if WARPS:
+            if n_rank > 0:
+                x_tie = _tie_index_bound(key_rows, idx_rows, kth, n_eq, need & rank, R, CAP, CHUNK, RAW)
     # stable rewrite, chunk by chunk: an entry only moves down, past chunks already read
     base = tl.zeros_like(cnt)  # [R] kept so far
     eq_seen = tl.zeros_like(cnt)  # [R] entries equal to kth seen so far
     for i_c in range(0, CAP, CHUNK):
         o_cc = i_c + o_h  # [CHUNK]
-        m_v = o_cc[None, :] < cnt[:, None]  # [R, CHUNK]
+        m_v = _slot_valid(o_cc, cnt, WARPS)  # [R, CHUNK]
         if RAW:
             b_raw = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=RAW_NONE)  # [R, CHUNK] fp32 bits
             b_k = _score_to_key(b_raw.to(tl.float32, bitcast=True))  # [R, CHUNK] keys
         else:
             b_raw = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=INT32_MIN)  # [R, CHUNK]
             b_k = b_raw
+        if WARPS:  # holes (RAW_NONE) are no candidates
+            m_v = m_v & (b_k != INT32_MIN)
         b_i = tl.load(idx_rows[:, None] + o_cc[None, :], mask=m_v, other=-1)  # [R, CHUNK]
         m_eq = (b_k == kth[:, None]) & m_v
-        if SEARCH2:
+        if WARPS:  # by key index (x_tie = INT32_MAX where all or none of the row's ties fit)
+            m_take = m_eq & (n_eq[:, None] > 0) & (b_i <= x_tie[:, None])
+        elif SEARCH2:
             if n_rank > 0:
                 r_eq = eq_seen[:, None] + tl.cumsum(m_eq.to(tl.int32), axis=1)  # [R, CHUNK] 1-based rank
                 m_take = m_eq & (r_eq <= n_eq[:, None])
@@ -213,11 +285,15 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
             if WRITE_SCORES:
                 tl.store(dst_key[:, None] + pos, _key_to_score(b_k), mask=m_st)
         else:
-            m_st = m_st & need[:, None]  # rows that keep everything stay where they are
+            if not WARPS:  # rows that keep everything stay where they are (WARPS: packed, regions have holes)
+                m_st = m_st & need[:, None]
             tl.store(dst_key[:, None] + pos, b_raw, mask=m_st)  # the buffer's own format (keys or RAW bits)
             tl.store(dst_idx[:, None] + pos, b_i, mask=m_st)
         base += tl.sum(m_keep.to(tl.int32), axis=1)
         eq_seen += tl.sum(m_eq.to(tl.int32), axis=1)
+    if WARPS and not FINAL:  # the slots after the kept ones become holes for the next regions
+        tl.debug_barrier()
+        _fill_none(key_rows, base, R, CAP, CHUNK)
     tl.debug_barrier()  # compacted buffer visible to every thread before the next appends
     return kth
 
@@ -370,6 +446,47 @@ def _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows,
 
 
 @triton.jit
+def _popc32(x, HW: tl.constexpr):
+    """Set bits of each int32 [any shape] -> int32 (POPC on the GPU, a SWAR count under the interpreter)."""
+    if HW:
+        return libdevice.popc(x)
+    else:
+        v = x.to(tl.uint32, bitcast=True)
+        v = v - ((v >> 1) & 0x55555555)
+        v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+        v = (v + (v >> 4)) & 0x0F0F0F0F
+        return ((v * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _key_warps(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, nxt, key_rows, idx_rows, o_n, o_d, m_d,
+               H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
+               IEEE: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr, thr_f):
+    """Key tile i_n appended per key group (Config.append="warps"; raw-bit buffers, the fp32 bound thr_f).
+
+    The tile's keys split into KEY_GROUPS groups of NG consecutive keys (on the GPU: one warp's MMA rows each).
+    Group g's candidates of a row go to the row's region g from its next free slot nxt[g] [KEY_GROUPS, R], in
+    ascending key order within the region: a slot is nxt + popc(the group's int32 mask below the key). No count
+    crosses groups, so no cross-warp reduction or barrier per tile (the "mask" append sums a 64-bit mask over the
+    whole tile). Only nxt is carried through the tile loop (not the regions' base and width: registers are
+    scarce there). Returns the next free slots."""
+    NG: tl.constexpr = BLOCK_N // KEY_GROUPS
+    o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
+                                  H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)
+    m_c = tl.reshape(m_vis & (sc >= thr_f[None, :]), [KEY_GROUPS, NG, R])  # key > thr (strict: a later tie loses)
+    key = tl.reshape(sc.to(tl.int32, bitcast=True), [KEY_GROUPS, NG, R])  # what the buffer holds
+    o_g = tl.arange(0, KEY_GROUPS)
+    o_j = tl.arange(0, NG)
+    b_bit = tl.full([KEY_GROUPS, NG, R], 1, tl.int32) << o_j[None, :, None]  # [KG, NG, R] each key's bit
+    b_mask = tl.sum(tl.where(m_c, b_bit, 0), axis=1)  # [KG, R] the group's candidates (distinct bits)
+    pos = nxt[:, None, :] + _popc32(b_mask[:, None, :] & (b_bit - 1), HW)  # [KG, NG, R]
+    o_k = lo + i_n * BLOCK_N + o_g[:, None] * NG + o_j[None, :]  # [KG, NG] key indices
+    _store2(key_rows[None, None, :] + pos, key, idx_rows[None, None, :] + pos, o_k[:, :, None] + tl.zeros_like(pos),
+            m_c, HW)
+    return nxt + _popc32(b_mask, HW)
+
+
+@triton.jit
 def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
                  H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, WARM: tl.constexpr,
                  RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr, RAW: tl.constexpr = False):
@@ -447,62 +564,88 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
 
 
 @triton.jit
-def _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows, o_n, o_d, m_d,
-                 H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
-                 SELECT: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr, HW: tl.constexpr,
+def _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, thr, b_max, key_rows, idx_rows,
+                 o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+                 RELU: tl.constexpr, SELECT: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr, HW: tl.constexpr,
                  LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False, RAW: tl.constexpr = False, thr_f=None):
-    """One step of the key loop from tile i_n: Config.append's way (the floor, SELECT=False, always tiles)."""
-    if APPEND == 1 and SELECT:
+    """One step of the key loop from tile i_n: Config.append's way (the floor, SELECT=False, always tiles).
+    APPEND 2 ("warps"): cnt_g holds the key groups' next free slots [KEY_GROUPS, R] (see _key_loop)."""
+    if APPEND == 2 and SELECT:
+        cnt_g = _key_warps(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt_g, key_rows, idx_rows,
+                           o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW, LANE_ROWS, thr_f)  # cnt_g: next slots
+    elif APPEND == 1 and SELECT:
         cnt = _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
                         o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW, LANE_ROWS=LANE_ROWS, RAW=RAW, thr_f=thr_f)
     else:
         cnt, thr, b_max = _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                     key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, SELECT, IEEE,
                                     LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX)
-    return cnt, thr, b_max
+    return cnt, cnt_g, thr, b_max
 
 
 @triton.jit
-def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows, m_t,
-              o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
+              idx_rows, m_t, o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
               APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False,
               RAW: tl.constexpr = False):
     """The row block's key loop (all its tiles, ascending), compacting between segments.
 
-    APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask). RAW (mask only): raw-bit buffers,
-    the candidate test against the segment's fp32 bound."""
+    APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask), 2 "warps" (_key_warps: the key groups'
+    regions of KEY_GROUPS x F slots from reg0, counts cnt_g; a compaction packs them into the prefix [0, cnt) and
+    splits the free rest anew). RAW (mask, warps): raw-bit buffers, the candidate test against the segment's fp32
+    bound. Returns (cnt, cnt_g, reg0, F, thr, b_max)."""
+    WARPS: tl.constexpr = APPEND == 2
+    NG: tl.constexpr = BLOCK_N // KEY_GROUPS
     i_n = 0
     while i_n < n_tiles:
         # a segment of tiles that cannot overflow any row's buffer: the tile loop itself
         # stays free of branches and barriers, so it software-pipelines
         n_seg = n_tiles - i_n
         if SELECT:
-            if CAP - tl.max(cnt, axis=0) < MIN_FREE:
-                tl.debug_barrier()  # appends of earlier tiles visible to all threads
-                kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
-                                    False, False, R, CAP, CHUNK, SEARCH2, RAW)
-                thr = tl.maximum(thr, kth)
-                cnt = tl.minimum(cnt, kk)
-            n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
+            if WARPS:  # free slots of the fullest region; a tile adds at most NG keys to each
+                free = F - tl.max(tl.max(cnt_g, axis=1), axis=0)
+                if free < MIN_FREE // KEY_GROUPS:
+                    tl.debug_barrier()  # appends of earlier tiles visible to all threads
+                    kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP,
+                                        CHUNK, SEARCH2, RAW, cnt_g, True)
+                    thr = tl.maximum(thr, kth)
+                    cnt = tl.minimum(_n_buffered(cnt, cnt_g, True), kk)
+                    cnt_g = cnt_g * 0
+                    reg0 = tl.max(cnt, axis=0)
+                    F = (CAP - reg0) // KEY_GROUPS  # >= MIN_FREE // KEY_GROUPS + NG (CAP >= kk + 2 MIN_FREE)
+                    free = F
+                n_seg = tl.minimum(n_seg, free // NG)
+            else:
+                if CAP - tl.max(cnt, axis=0) < MIN_FREE:
+                    tl.debug_barrier()  # appends of earlier tiles visible to all threads
+                    kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
+                                        False, False, R, CAP, CHUNK, SEARCH2, RAW)
+                    thr = tl.maximum(thr, kth)
+                    cnt = tl.minimum(cnt, kk)
+                n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
         thr_f = _thr_score(thr)  # [R] RAW: the segment's fp32 bound (thr is fixed within a segment)
+        if WARPS:  # counts -> next free slots for the tile loop (and back after it)
+            cnt_g += reg0 + (tl.arange(0, KEY_GROUPS) * F)[:, None]
         if WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
             i_e = i_n + n_seg
             while i_n < i_e:
-                cnt, thr, b_max = _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
-                                               key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU,
-                                               SELECT, IEEE, APPEND, not WHILE_LOOPS, LANE_ROWS=LANE_ROWS,
-                                               LAZY_MAX=LAZY_MAX, RAW=RAW, thr_f=thr_f)
+                cnt, cnt_g, thr, b_max = _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
+                                                      thr, b_max, key_rows, idx_rows, o_n, o_d, m_d, H, D,
+                                                      R, BLOCK_N, RELU, SELECT, IEEE, APPEND, not WHILE_LOOPS,
+                                                      LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, thr_f=thr_f)
                 i_n += 1
         else:
             for i_j in range(i_n, i_n + n_seg):
-                cnt, thr, b_max = _append_step(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
-                                               key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU,
-                                               SELECT, IEEE, APPEND, not WHILE_LOOPS, LANE_ROWS=LANE_ROWS,
-                                               LAZY_MAX=LAZY_MAX, RAW=RAW, thr_f=thr_f)
+                cnt, cnt_g, thr, b_max = _append_step(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
+                                                      thr, b_max, key_rows, idx_rows, o_n, o_d, m_d, H, D,
+                                                      R, BLOCK_N, RELU, SELECT, IEEE, APPEND, not WHILE_LOOPS,
+                                                      LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, thr_f=thr_f)
             i_n += n_seg
-    return cnt, thr, b_max
+        if WARPS:
+            cnt_g -= reg0 + (tl.arange(0, KEY_GROUPS) * F)[:, None]
+    return cnt, cnt_g, reg0, F, thr, b_max
 
 
 @triton.jit
@@ -551,7 +694,10 @@ def hytopk_kernel(
         b_qT = tl.trans(b_q)  # [D_P2, RH]
         b_w = tl.load(w_ptr + o_m, mask=m_m, other=0.0).to(tl.float32)  # [RH]
 
-        cnt = tl.zeros([R], dtype=tl.int32)  # candidates held per row
+        cnt = tl.zeros([R], dtype=tl.int32)  # candidates held per row (append="warps": in the packed prefix)
+        cnt_g = tl.zeros([KEY_GROUPS, R], dtype=tl.int32)  # append="warps": candidates in each key group's region
+        reg0 = tl.max(cnt, axis=0)  # append="warps": the regions' first slot (scalar) and width
+        F = (CAP - reg0) // KEY_GROUPS
         thr = tl.full([R], INT32_MIN, dtype=tl.int32)  # running threshold key per row
         if LAZY_MAX:  # floor mode only (LAZY_MAX: per element, reduced after the key loop)
             b_max = tl.full([BLOCK_N, R], float("-inf"), dtype=tl.float32)
@@ -562,23 +708,31 @@ def hytopk_kernel(
                 thr = _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n,
                                       o_d, m_d, H, D, R, BLOCK_N, CAP, WARM, CHUNK_W, WARM_Z, WARM_MIN,
                                       RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS, RAW=RAW)
+            if APPEND == 2:  # append="warps": every slot a hole (RAW_NONE) before the regions fill (after the
+                _fill_none(key_rows, cnt, R, CAP, CHUNK)  # warm sample's select read its slots)
+                tl.debug_barrier()
             on = thr > INT32_MIN  # [R] rows started from a sampled threshold
             n_on = tl.sum(on.to(tl.int32), axis=0)
             n_fail = n_on * 0
             n_pass = n_on * 0 + 1
             i_pass = n_on * 0
             while i_pass < n_pass:
-                cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
-                                            key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
-                                            CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND,
-                                            LANE_ROWS=LANE_ROWS, RAW=RAW)
+                cnt, cnt_g, reg0, F, thr, b_max = _key_loop(
+                    n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
+                    idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
+                    WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW)
                 # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
                 # keep their buffers and append nothing more (no key is > INT32_MAX)
-                fail = on & (cnt < kk)  # [R]; all False after the first pass
+                fail = on & (_n_buffered(cnt, cnt_g, APPEND == 2) < kk)  # [R]; all False after the first pass
                 n_f = tl.sum(fail.to(tl.int32), axis=0)
                 n_fail += n_f
                 n_pass += (n_f > 0).to(tl.int32)
                 cnt = tl.where(fail, 0, cnt)
+                cnt_g = tl.where(fail[None, :], 0, cnt_g)
+                if APPEND == 2:
+                    if n_f > 0:  # the failed rows' buffers back to holes
+                        _fill_none(key_rows, tl.where(fail, 0, CAP), R, CAP, CHUNK)
+                        tl.debug_barrier()
                 thr = tl.where(fail, INT32_MIN, tl.where(n_f > 0, INT32_MAX, thr))
                 on = fail & (cnt < 0)
                 i_pass += 1
@@ -586,18 +740,21 @@ def hytopk_kernel(
             tl.atomic_add(stats_ptr + 1, n_fail)
             tl.atomic_add(stats_ptr + 2, (n_fail > 0).to(tl.int32))
         else:
-            cnt, thr, b_max = _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
-                                        key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP,
-                                        CHUNK, MIN_FREE, RELU, SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND,
-                                        LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW)
+            if APPEND == 2 and SELECT:
+                _fill_none(key_rows, cnt, R, CAP, CHUNK)
+                tl.debug_barrier()
+            cnt, cnt_g, reg0, F, thr, b_max = _key_loop(
+                n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
+                idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
+                WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW)
 
         if SELECT:
             tl.debug_barrier()
             o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
             _select_store(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
-                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW)
+                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW, cnt_g, APPEND == 2)
             # -1 / -inf padding after the kept entries
-            n_keep = tl.minimum(cnt, kk)  # [R]
+            n_keep = tl.minimum(_n_buffered(cnt, cnt_g, APPEND == 2), kk)  # [R]
             o_h = tl.arange(0, CHUNK)
             if tl.min(tl.where(m_t, n_keep, kk), axis=0) < kk:  # some row has fewer than kk keys
                 for i_c in range(0, CAP, CHUNK):

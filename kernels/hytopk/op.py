@@ -19,7 +19,8 @@ _IMPLS = ("auto", "triton", "reference")
 _logged_reference = False
 WARM_Z = 4.0  # warm start: sampled quantile this many binomial standard deviations above the k boundary
 WARM_MIN = 16  # warm start: fewest visible sample keys a row needs to use it
-APPENDS = ("tile", "mask")  # Config.append values (kernel constexpr APPEND = index)
+APPENDS = ("tile", "mask", "warps")  # Config.append values (kernel constexpr APPEND = index)
+KEY_GROUPS = 4  # append="warps": key groups per tile (kernel constant KEY_GROUPS: one warpgroup's 4 warps)
 HEAD_SUMS = ("pairs", "chains")  # Config.head_sum values (kernel constexpr LANE_ROWS = 1 + index; 0: lane_rows off)
 _warm_stats = None  # int32 [3] of the last warm-start launch (device tensor, read without a sync)
 
@@ -59,7 +60,11 @@ class Config:
     # mask by a sum in the scores' MMA-derived layout, slot = count + popc(mask below the key), no scan;
     # "tile": a prefix sum over the tile's keys (any block_n). Output bit-identical. "mask" measured
     # 1.07-1.12x faster at 64K (H200, session 6). ("pair", one append per two tiles, was 1.29x slower:
-    # its 133 KB of K buffers allow only one program per SM; removed.)
+    # its 133 KB of K buffers allow only one program per SM; removed.) "warps" (block_n / 4 <= 32, raw_keys,
+    # search_bits 2): the tile's keys in 4 groups of block_n / 4 (one warp's MMA rows each on the GPU), each
+    # appending to its own region of the row's buffer with an int32 mask: no cross-warp reduction or barrier
+    # per tile (sm_90a key loop, bench/topk.py --resources). Same index sets; the order within a row is then
+    # the buffer's (deterministic, not ascending), and keys tied at the k-th score are ranked by key index.
     append: str = "mask"
     # score-tile columns ordered so that each lane of the MMA accumulator holds whole rows: the head sum
     # stays in the thread and each (key, row) score lives in one thread, not four (which all ran the
@@ -92,6 +97,13 @@ def check_config(cfg: Config, interpret: bool) -> None:
     check(cfg.append != "mask" or cfg.block_n <= 64,
           f"hytopk: Config.append='mask' needs block_n <= 64 (one int64 bit mask per tile), got {cfg.block_n}; "
           "use append='tile' for larger key tiles")
+    if cfg.append == "warps":
+        check(cfg.block_n % KEY_GROUPS == 0 and cfg.block_n // KEY_GROUPS <= 32,
+              f"hytopk: Config.append='warps' needs block_n a multiple of {KEY_GROUPS} and <= {32 * KEY_GROUPS} "
+              f"(one int32 mask per key group), got {cfg.block_n}")
+        check(cfg.search_bits == 2 and cfg.raw_keys,
+              "hytopk: Config.append='warps' needs search_bits=2 and raw_keys=True, got "
+              f"search_bits={cfg.search_bits}, raw_keys={cfg.raw_keys}")
     check(cfg.head_sum in HEAD_SUMS, f"hytopk: Config.head_sum must be one of {HEAD_SUMS}, got {cfg.head_sum!r}")
 
 
@@ -159,7 +171,7 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 WARM_Z=WARM_Z, WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
                 LANE_ROWS=(1 + HEAD_SUMS.index(cfg.head_sum)) if lane_rows(cfg, R, H) else 0,
                 LAZY_MAX=bool(lazy_max) and not select,
-                RAW=bool(cfg.raw_keys) and bool(select) and cfg.append == "mask")
+                RAW=bool(cfg.raw_keys) and bool(select) and cfg.append in ("mask", "warps"))
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):
@@ -289,8 +301,8 @@ def hytopk(
     Returns:
         indices int32 [T, topk]; with ``return_scores`` also scores fp32 [T, topk] (-inf where
         padded). Order within a row: the Triton path returns the selected keys in ascending key
-        index, then the -1 padding; the reference path returns canonical order (score desc).
-        Compare as sets.
+        index (Config.append "warps": a deterministic buffer order), then the -1 padding; the
+        reference path returns canonical order (score desc). Compare as sets.
     """
     _validate(q, w, k, starts, ends, topk, impl, check_bounds)
     use_triton = impl == "triton" or (impl == "auto" and (q.is_cuda or interpreter_active()))
