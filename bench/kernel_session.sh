@@ -7,7 +7,7 @@
 #   target (not in the default): bench/target_sweep.py, launch configs of the loss target kernel;
 #   loss (not in the default): bench/loss_parts.py, the loss's selected-scores kernels (KS_LOSS_T, _BUDGET, _TIMEOUT).
 # Usage on the device (carry .whl-tl):  OUT=$OUT bash bench/kernel_session.sh
-# Env: KS_STEPS ("tests parts attn"; add "topk"), KS_TEST_FILES, KS_TARGET_BUDGET/TIMEOUT, KS_TOPK_S/CFGS/HEADS/BUDGET/TIMEOUT, KS_TESTS_TIMEOUT, KS_PARTS_T, KS_SIZES, KS_HEADS, KS_ATTN_BUDGET,
+# Env: KS_STEPS ("tests parts attn"; add "topk"), KS_TEST_FILES, KS_TARGET_BUDGET/TIMEOUT, KS_TOPK_S/CFGS/HEADS/BUDGET/TIMEOUT/VARIANTS, KS_TESTS_TIMEOUT, KS_PARTS_T, KS_SIZES, KS_HEADS, KS_ATTN_BUDGET,
 #      KS_ATTN_SWEEP (substrings of bench/sparse_attn.py's fwd / bwd variants to sweep in the attn step; unset: no sweep).
 set -u
 source bench/device_env.sh
@@ -24,10 +24,11 @@ case " $STEPS " in *" tests "*)
 esac
 # topk: HyTopK's exact variants checked bit for bit against the default, then the 64K config sweep
 # (defaults: append mask, early-stopping 2-bit select, warm start 1024; bench/NOTES_hytopk.md)
+TOPK_VARIANTS='{"warm_start":512};{"append":"tile"};{"search_bits":1};{"append":"tile","search_bits":1};{"warm_start":0};{"append":"warps"}'
 case " $STEPS " in *" topk "*)
   echo "== topk check + sweep ($(date +%T))"
   timeout "${KS_TOPK_TIMEOUT:-420}" python3 bench/topk.py --out "$OUT" --parts check,sweep --check-specs "${KS_TOPK_CHECK_SPECS:-0,1,2,4}" \
-    --check-variants '{"warm_start":512};{"append":"tile"};{"search_bits":1};{"append":"tile","search_bits":1};{"warm_start":0}' \
+    --check-variants "${KS_TOPK_VARIANTS:-$TOPK_VARIANTS}" \
     --sweep-S "${KS_TOPK_S:-65536}" --sweep-cfgs "${KS_TOPK_CFGS:-0,1,2,4,10}" --sweep-heads "${KS_TOPK_HEADS:-64}" --budget-s "${KS_TOPK_BUDGET:-380}" 2>&1 | grep -v -i warn | grep -E "check|SWEEP|BEST|GPU" | tail -40;;
 esac
 case " $STEPS " in *" parts "*)

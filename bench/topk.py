@@ -56,6 +56,10 @@ p.add_argument("--stock-heads", default="64,32")
 p.add_argument("--naive-max", type=int, default=16384)
 p.add_argument("--sweep-S", type=int, default=65536)
 p.add_argument("--sweep-cfgs", default=None, help="time only these sweep configs (comma list of cfg numbers)")
+p.add_argument("--ab-rounds", type=int, default=0,
+               help="with --parts sweep: time the --sweep-cfgs interleaved this many rounds (A B C A B C ...; the "
+                    "lazy floor of each launch shape in every round) and report medians over the rounds, for "
+                    "differences smaller than the drift between configs timed one after another")
 p.add_argument("--sweep-heads", default="64,4",
                help="sweep shapes: 64 (DeepSeek, k 2048), 32 (GLM, k 2048) and/or 4 (QSA-like, k 512 over S/4 keys)")
 p.add_argument("--check-specs", default=None, help="check only these spec numbers (comma list, 0-based)")
@@ -464,8 +468,43 @@ SWEEP = [
     replace(_D, head_sum="pairs"),  # cfg21: the head sum's order until session 12 (FMUL + FFMA per head pair)
     replace(_D, raw_keys=False, head_sum="pairs"),  # cfg22: the session-11 default
     replace(_D, append="warps"),  # cfg23: session 13, per-warp candidate regions (no cross-warp exchange per tile)
+    replace(_D, append="warps", num_stages=4),  # cfg24
+    replace(_D, append="warps", warm_start=512),  # cfg25
+    replace(_D, append="warps", min_free_tiles=2),  # cfg26
+    replace(_D, append="warps", num_stages=2),  # cfg27
 ]
 BEST = {}
+
+
+def ab_rounds(H, kk, S, sweep, keep, q, w, k, st, en, fl):
+    """Interleaved timing of sweep configs `keep` (cfg numbers): args.ab_rounds rounds, each timing every config's
+    HyTopK and the lazy floor of each distinct launch shape; per config the median over rounds and x floor
+    against the median floor of its launch shape (warm_start / append / raw_keys / search_bits do not change
+    the floor's code)."""
+    cfgs = [(i, sweep[i] or default_config(H, kk, interpret=args.smoke)) for i in sorted(keep) if i < len(sweep)]
+    shape = lambda c: (c.block_n, c.rows_x_heads, c.num_warps, c.num_stages, c.head_sum, c.lane_rows)  # noqa: E731
+    h_ms = {i: [] for i, _ in cfgs}
+    f_ms = {}
+    for r in range(args.ab_rounds):
+        for i, cfg in cfgs:
+            if shape(cfg) not in f_ms or len(f_ms[shape(cfg)]) <= r:
+                f_ms.setdefault(shape(cfg), []).append(time_fn(lambda: hytopk_floor(
+                    q, w, k, st, en, config=cfg, topk=kk, lazy_max=True), target_ms=300)[0])
+            h_ms[i].append(time_fn(lambda: hytopk(q, w, k, st, en, kk, check_bounds=False, config=cfg),
+                                   target_ms=300)[0])
+        log(f"AB round {r}: " + ", ".join(f"cfg{i} {h_ms[i][-1]:.2f}" for i, _ in cfgs))
+    for i, cfg in cfgs:
+        h = statistics.median(h_ms[i])
+        f = statistics.median(f_ms[shape(cfg)])
+        hs = sorted(h_ms[i])
+        log(f"AB H{H} S{S} cfg{i} {cfg}: hytopk {h:.2f} ms (rounds {hs[0]:.2f}-{hs[-1]:.2f}) floor {f:.2f} ms "
+            f"x{h / f:.3f}")
+        record(shape=f"ab cfg{i}", impl="hytopk", H=H, D=D_I, topk=kk, T=S, S_keys=S, ms=round(h, 3),
+               ms_p20=round(hs[int(0.2 * (len(hs) - 1))], 3), ms_p80=round(hs[int(round(0.8 * (len(hs) - 1)))], 3),
+               tflops=round(fl / h / 1e9, 1), x_floor=round(h / f, 3), config=json.dumps(cfg.__dict__),
+               note=f"{args.ab_rounds} interleaved rounds (p20/p80 over rounds); lazy floor {f:.3f} ms")
+
+
 if "sweep" in args.parts:
     S = 64 if args.smoke else args.sweep_S
     shapes = [sh for sh in ((64, 2048, 1), (32, 2048, 1), (4, 512, 4)) if str(sh[0]) in args.sweep_heads.split(",")]
@@ -489,7 +528,8 @@ if "sweep" in args.parts:
                      replace(SWEEP[0], rows_x_heads=128, raw_keys=False),  # cfg9
                      replace(SWEEP[0], rows_x_heads=128, head_sum="pairs"),  # cfg10
                      replace(SWEEP[0], rows_x_heads=128, raw_keys=False, head_sum="pairs"),  # cfg11: s. 11 default
-                     replace(SWEEP[0], rows_x_heads=128, append="warps")]  # cfg12: session 13
+                     replace(SWEEP[0], rows_x_heads=128, append="warps"),  # cfg12: session 13
+                     replace(SWEEP[0], rows_x_heads=128, append="warps", warm_start=512)]  # cfg13
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],
@@ -503,6 +543,9 @@ if "sweep" in args.parts:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
                      replace(default_config(H, kk, interpret=True), append="tile")]
         keep = None if args.sweep_cfgs is None else {int(x) for x in args.sweep_cfgs.split(",")}
+        if args.ab_rounds and keep:
+            ab_rounds(H, kk, S, sweep, keep, q, w, k, st, en, fl)
+            keep = set()  # the interleaved rounds replace the one-after-another sweep
         for i, cfg in enumerate(sweep):
             if keep is not None and i not in keep:
                 continue
