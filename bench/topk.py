@@ -144,10 +144,11 @@ def resources(cfgs, H=64, D=128, kk=2048):
 
 
 if args.resources:  # the default launch (append mask, 2-bit select, warm start 1024, raw keys, chain head sum), the
-    # per-warp append, the session-11 parts (int keys, pair head sum), warm start off / 512, the prefix-sum append,
+    # per-warp append, the prefix-started select (both appends), the session-11 parts (int keys, pair head sum), warm start off / 512, the prefix-sum append,
     # 1-bit select, the floors
     _base = Config()
-    resources([_base, replace(_base, append="warps"), replace(_base, raw_keys=False), replace(_base, head_sum="pairs"),
+    resources([_base, replace(_base, append="warps"), replace(_base, select_prefix=True),
+               replace(_base, append="warps", select_prefix=True), replace(_base, raw_keys=False), replace(_base, head_sum="pairs"),
                replace(_base, raw_keys=False, head_sum="pairs"), replace(_base, warm_start=0),
                replace(_base, warm_start=512),
                replace(_base, append="tile"),
@@ -358,7 +359,8 @@ def variant_cfgs(base):
     """Exact variants the check compares bit for bit to the default: warm start off / 512 (the default
     before session 10), the prefix-sum append and the 1-bit select (the defaults before session 6)."""
     return [replace(base, warm_start=0), replace(base, warm_start=512), replace(base, append="tile"),
-            replace(base, search_bits=1)]
+            replace(base, search_bits=1), replace(base, select_prefix=True),
+            replace(base, append="warps", select_prefix=True)]
 
 
 WARM_CHECK_SPECS = (0, 1, 2, 4)  # causal relu, identity w+-, packed, QSA H4
@@ -388,7 +390,8 @@ def check_warm(name, q, w, k, st, en, kk, relu):
         # scores of the variant vs the default where both picked the same slot index: rounding only?
         same = (i1 == ref_i) & (i1 >= 0)
         max_rel = float(((v1 - ref_v).abs() / ref_v.abs().clamp_min(1e-30))[same].max()) if same.any() else 0.0
-        res = dict(check=f"{name} warm_start={cfg.warm_start} search_bits={cfg.search_bits} append={cfg.append}",
+        res = dict(check=f"{name} warm_start={cfg.warm_start} search_bits={cfg.search_bits} append={cfg.append}"
+                         f" prefix={int(cfg.select_prefix)}",
                    equal_to_default=bool(torch.equal(i1, ref_i) and torch.equal(v1, ref_v)),
                    rows_idx_differ=int(idx_rows.sum()), rows_scores_differ=int(val_rows.sum()),
                    same_slot_score_max_rel=max_rel,
@@ -472,6 +475,9 @@ SWEEP = [
     replace(_D, append="warps", warm_start=512),  # cfg25
     replace(_D, append="warps", min_free_tiles=2),  # cfg26
     replace(_D, append="warps", num_stages=2),  # cfg27
+    replace(_D, select_prefix=True),  # cfg28: session 14, radix passes start below the keys' shared leading bits
+    replace(_D, append="warps", select_prefix=True),  # cfg29
+    replace(_D, append="warps", warm_start=512, select_prefix=True),  # cfg30
 ]
 BEST = {}
 
@@ -529,7 +535,10 @@ if "sweep" in args.parts:
                      replace(SWEEP[0], rows_x_heads=128, head_sum="pairs"),  # cfg10
                      replace(SWEEP[0], rows_x_heads=128, raw_keys=False, head_sum="pairs"),  # cfg11: s. 11 default
                      replace(SWEEP[0], rows_x_heads=128, append="warps"),  # cfg12: session 13
-                     replace(SWEEP[0], rows_x_heads=128, append="warps", warm_start=512)]  # cfg13
+                     replace(SWEEP[0], rows_x_heads=128, append="warps", warm_start=512),  # cfg13
+                     replace(SWEEP[0], rows_x_heads=128, select_prefix=True),  # cfg14: session 14
+                     replace(SWEEP[0], rows_x_heads=128, append="warps", select_prefix=True),  # cfg15
+                     replace(SWEEP[0], rows_x_heads=128, append="warps", warm_start=512, select_prefix=True)]  # 16
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],

@@ -136,8 +136,24 @@ def _kth_key(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: 
 
 
 @triton.jit
+def _clz32(x):
+    """Leading zero bits of each int32 [any shape] (32 for 0): smear the top set bit down, count (SWAR: the same
+    code on the GPU and under the interpreter; only run on [R] vectors)."""
+    v = x.to(tl.uint32, bitcast=True)
+    v = v | (v >> 1)
+    v = v | (v >> 2)
+    v = v | (v >> 4)
+    v = v | (v >> 8)
+    v = v | (v >> 16)
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    v = (v + (v >> 4)) & 0x0F0F0F0F
+    return 32 - ((v * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
 def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
-              WARPS: tl.constexpr = False):
+              WARPS: tl.constexpr = False, PREFIX: tl.constexpr = False):
     """Radix select of each row's top kk buffered keys, two bits per pass (16 passes at most).
 
     Two bits per pass from the top, in the biased (unsigned-order) domain: keep the largest prefix
@@ -153,6 +169,12 @@ def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.con
     cnt <= kk are left unspecified (the caller keeps all their keys). n_gt comes from the passes'
     own counts: no extra counting pass. WARPS: cnt is the packed prefix, cnt_g the regions' counts; every slot
     is read (_slot_valid).
+
+    PREFIX (Config.select_prefix): the passes start below the leading bits that every searching row's smallest
+    and largest key share (one min / max reduction; the fewest such bits over the rows, rounded down to a pass
+    boundary). Every pass over such a shared bit pair would pick that pair's bucket with c_lo = all keys and
+    c_hi = 0 and never stop there, so the state after the skipped passes is known: same result, fewer passes
+    (a row's candidates all lie above its threshold, so their keys share the top 8-12 bits).
     """
     o_all = tl.arange(0, CAP)  # [CAP]
     m_all = _slot_valid(o_all, cnt, WARPS)  # [R, CAP]
@@ -166,6 +188,20 @@ def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.con
     # the buffer read once into registers (a while loop would otherwise reload it from L2 every pass)
     b_keys = _load_keys(key_rows[:, None] + o_all[None, :], m_all, RAW)  # [R, CAP]
     i_b = 30
+    if PREFIX:
+        m_key = b_keys != INT32_MIN  # [R, CAP] real keys (not padding, holes or invisible samples)
+        n_real = tl.sum(m_key.to(tl.int32), axis=1)  # [R]
+        k_hi = tl.max(tl.where(m_key, b_keys, INT32_MIN), axis=1)  # [R]
+        k_lo = tl.min(tl.where(m_key, b_keys, INT32_MAX), axis=1)  # [R]
+        # shared leading bits (the bias flips bit 31 of both: the xor is the same); rows with <= kk real keys
+        # (a warm sample) take the passes from the top
+        n_same = tl.where(done, 32, tl.where(n_real > kk, _clz32(k_lo ^ k_hi), 0))  # [R]
+        n_fix = tl.min(n_same, axis=0)
+        n_fix = n_fix - n_fix % 2  # whole passes: bits (31, 30) ... (1, 0)
+        top = tl.where(n_fix > 0, (one << 31) >> tl.maximum(n_fix - 1, 0), 0)  # [R] top n_fix bits (arith. shift)
+        pre = tl.where(done, pre, (k_hi ^ INT32_MIN) & top)
+        c_lo = tl.where(done | (n_fix == 0), c_lo, n_real)  # every real key is >= the bucket's lower bound
+        i_b = 30 - n_fix
     while (n_open > 0) & (i_b >= 0):  # bits (i_b + 1, i_b): (31, 30) ... (1, 0), all 32
         a1 = pre | (one << i_b)
         a2 = pre | ((one << i_b) << 1)
@@ -219,7 +255,7 @@ def _tie_index_bound(key_rows, idx_rows, kth, n_eq, m_r, R: tl.constexpr, CAP: t
 def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                   FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr,
                   CHUNK: tl.constexpr, SEARCH2: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
-                  WARPS: tl.constexpr = False):
+                  WARPS: tl.constexpr = False, PREFIX: tl.constexpr = False):
     """Keep each row's exact top-kk of its buffer (all of it where cnt <= kk), stably.
 
     key_rows/idx_rows: [R] pointers to the rows' buffers. dst_*: [R] row pointers of the
@@ -239,7 +275,7 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     x_tie = tl.full([R], INT32_MAX, dtype=tl.int32)  # WARPS: keys equal to kth are kept up to this key index
     if tl.max(n_tot, axis=0) > kk:
         if SEARCH2:
-            kth_2, n_gt, rank = _kth_key2(key_rows, cnt, kk, R, CAP, RAW, cnt_g, WARPS)
+            kth_2, n_gt, rank = _kth_key2(key_rows, cnt, kk, R, CAP, RAW, cnt_g, WARPS, PREFIX)
             kth = tl.where(need, kth_2, INT32_MIN)
             n_rank = tl.sum((need & rank).to(tl.int32), axis=0)
         else:
@@ -516,7 +552,7 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
                     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
                     WARM: tl.constexpr, CHUNK_W: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr,
                     RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr, LANE_ROWS: tl.constexpr,
-                    RAW: tl.constexpr = False):
+                    RAW: tl.constexpr = False, PREFIX: tl.constexpr = False):
     """Each row's starting threshold key tau [R] (INT32_MIN: no warm start for that row).
 
     Only run when some row sees more than CAP keys (fewer never compact), so hi - lo > CAP >=
@@ -553,7 +589,7 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
     j = tl.where(on, j, 1)
     n_smp = tl.full([R], WARM, dtype=tl.int32)
     if SEARCH2:
-        tau, _, _ = _kth_key2(key_rows, n_smp, j, R, WARM, RAW)
+        tau, _, _ = _kth_key2(key_rows, n_smp, j, R, WARM, RAW, PREFIX=PREFIX)
     else:
         o_hw = tl.arange(0, CHUNK_W)
         tau = _kth_key(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W, RAW)
@@ -589,7 +625,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
               APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False,
-              RAW: tl.constexpr = False):
+              RAW: tl.constexpr = False, PREFIX: tl.constexpr = False):
     """The row block's key loop (all its tiles, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask), 2 "warps" (_key_warps: the key groups'
@@ -609,7 +645,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                 if free < MIN_FREE // KEY_GROUPS:
                     tl.debug_barrier()  # appends of earlier tiles visible to all threads
                     kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP,
-                                        CHUNK, SEARCH2, RAW, cnt_g, True)
+                                        CHUNK, SEARCH2, RAW, cnt_g, True, PREFIX)
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(_n_buffered(cnt, cnt_g, True), kk)
                     cnt_g = cnt_g * 0
@@ -621,7 +657,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                 if CAP - tl.max(cnt, axis=0) < MIN_FREE:
                     tl.debug_barrier()  # appends of earlier tiles visible to all threads
                     kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
-                                        False, False, R, CAP, CHUNK, SEARCH2, RAW)
+                                        False, False, R, CAP, CHUNK, SEARCH2, RAW, PREFIX=PREFIX)
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(cnt, kk)
                 n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
@@ -661,7 +697,7 @@ def hytopk_kernel(
     WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
     WARM: tl.constexpr = 0, CHUNK_W: tl.constexpr = 1, WARM_Z: tl.constexpr = 4.0, WARM_MIN: tl.constexpr = 16,
     APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False, LAZY_MAX: tl.constexpr = False,
-    RAW: tl.constexpr = False,
+    RAW: tl.constexpr = False, PREFIX: tl.constexpr = False,
 ):
     i_p = tl.program_id(0)
     RH: tl.constexpr = R * H
@@ -707,7 +743,7 @@ def hytopk_kernel(
             if tl.max(tl.where(m_live, b_end - b_start, 0), axis=0) > CAP:
                 thr = _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n,
                                       o_d, m_d, H, D, R, BLOCK_N, CAP, WARM, CHUNK_W, WARM_Z, WARM_MIN,
-                                      RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS, RAW=RAW)
+                                      RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS, RAW=RAW, PREFIX=PREFIX)
             if APPEND == 2:  # append="warps": every slot a hole (RAW_NONE) before the regions fill (after the
                 _fill_none(key_rows, cnt, R, CAP, CHUNK)  # warm sample's select read its slots)
                 tl.debug_barrier()
@@ -720,7 +756,7 @@ def hytopk_kernel(
                 cnt, cnt_g, reg0, F, thr, b_max = _key_loop(
                     n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                     idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
-                    WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW)
+                    WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, PREFIX=PREFIX)
                 # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
                 # keep their buffers and append nothing more (no key is > INT32_MAX)
                 fail = on & (_n_buffered(cnt, cnt_g, APPEND == 2) < kk)  # [R]; all False after the first pass
@@ -746,13 +782,13 @@ def hytopk_kernel(
             cnt, cnt_g, reg0, F, thr, b_max = _key_loop(
                 n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                 idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
-                WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW)
+                WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, PREFIX=PREFIX)
 
         if SELECT:
             tl.debug_barrier()
             o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
             _select_store(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
-                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW, cnt_g, APPEND == 2)
+                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW, cnt_g, APPEND == 2, PREFIX)
             # -1 / -inf padding after the kept entries
             n_keep = tl.minimum(_n_buffered(cnt, cnt_g, APPEND == 2), kk)  # [R]
             o_h = tl.arange(0, CHUNK)

@@ -87,6 +87,11 @@ class Config:
     # session 12) summed head pairs first (FMUL + FFMA per pair), then the pair sums (one more FADD per pair).
     # Same in the floor and in HyTopK (the shared scoring code). Index sets may differ only on fp32 near-ties.
     head_sum: str = "chains"
+    # search_bits=2: each select's radix passes start below the leading bits that the searching rows' smallest
+    # and largest keys share (one min / max reduction first). A row's candidates all lie above its running
+    # threshold, so they share the sign, the exponent and some mantissa bits: the passes those bits would take
+    # are skipped (their outcome is known). Output bit-identical (tests/test_hytopk_prefix.py).
+    select_prefix: bool = False
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -104,6 +109,8 @@ def check_config(cfg: Config, interpret: bool) -> None:
         check(cfg.search_bits == 2 and cfg.raw_keys,
               "hytopk: Config.append='warps' needs search_bits=2 and raw_keys=True, got "
               f"search_bits={cfg.search_bits}, raw_keys={cfg.raw_keys}")
+    check(not cfg.select_prefix or cfg.search_bits == 2,
+          f"hytopk: Config.select_prefix needs search_bits=2 (the 2-bit select), got search_bits={cfg.search_bits}")
     check(cfg.head_sum in HEAD_SUMS, f"hytopk: Config.head_sum must be one of {HEAD_SUMS}, got {cfg.head_sum!r}")
 
 
@@ -171,7 +178,8 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 WARM_Z=WARM_Z, WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
                 LANE_ROWS=(1 + HEAD_SUMS.index(cfg.head_sum)) if lane_rows(cfg, R, H) else 0,
                 LAZY_MAX=bool(lazy_max) and not select,
-                RAW=bool(cfg.raw_keys) and bool(select) and cfg.append in ("mask", "warps"))
+                RAW=bool(cfg.raw_keys) and bool(select) and cfg.append in ("mask", "warps"),
+                PREFIX=bool(cfg.select_prefix) and bool(select) and cfg.search_bits == 2)
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):
