@@ -144,11 +144,13 @@ def resources(cfgs, H=64, D=128, kk=2048):
 
 
 if args.resources:  # the default launch (append mask, 2-bit select, warm start 1024, raw keys, chain head sum), the
-    # per-warp append, the prefix-started select (both appends), the session-11 parts (int keys, pair head sum), warm start off / 512, the prefix-sum append,
+    # per-warp append, the prefix-started select (both appends), the session-11 parts (int keys, pair head sum),
+    # warm start off / 512, the prefix-sum append,
     # 1-bit select, the floors
     _base = Config()
     resources([_base, replace(_base, append="warps"), replace(_base, select_prefix=True),
-               replace(_base, append="warps", select_prefix=True), replace(_base, raw_keys=False), replace(_base, head_sum="pairs"),
+               replace(_base, append="warps", select_prefix=True), replace(_base, raw_keys=False),
+               replace(_base, head_sum="pairs"),
                replace(_base, raw_keys=False, head_sum="pairs"), replace(_base, warm_start=0),
                replace(_base, warm_start=512),
                replace(_base, append="tile"),

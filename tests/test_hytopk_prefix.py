@@ -19,11 +19,11 @@ import triton.language as tl
 
 from hyscale_kernels.hytopk import _kernel, hytopk, interpreter_active, op
 from hyscale_kernels.hytopk.op import default_config
-from hyscale_kernels.hytopk.reference import causal_bounds, packed_causal_bounds
+from hyscale_kernels.hytopk.reference import causal_bounds
 from interp_rerun import rerun_under_interpreter
 from test_hytopk import _zero_ties
 from test_hytopk_warmstart import _assert_reference_sets, _inputs
-from test_hytopk_warps import by_index
+from test_hytopk_warps import gpu_causal_inputs, packed_rows_case
 
 INTERP = interpreter_active()
 interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
@@ -171,16 +171,7 @@ def test_prefix_ties_and_packed(append, clz_calls):
     q, w, k = _zero_ties(*_inputs(T, S, H, D=D, seed=5, w_sign=False), every=29)
     st, en = causal_bounds(T, S, offset=S - T)
     _same_with_prefix(q, w, k, st, en, topk, True, _interp_cfg(H, topk, warm_start=64, append=append), clz_calls)
-    lens = [70, 3, 90]
-    st, en = packed_causal_bounds(lens)
-    Tp = sum(lens)
-    q, w, k = _inputs(Tp, Tp, 2, seed=2)
-    rows = torch.arange(Tp)
-    keep = (rows >= 66) & (rows < 75) | (rows >= 150)
-    st, en = st[keep].contiguous(), en[keep].contiguous()
-    q, w = q[keep].contiguous(), w[keep].contiguous()
-    st[3], en[3] = 40, 40
-    _same_with_prefix(q, w, k, st, en, 8, True, _interp_cfg(2, 8, warm_start=64, append=append), clz_calls)
+    _same_with_prefix(*packed_rows_case(), 8, True, _interp_cfg(2, 8, warm_start=64, append=append), clz_calls)
 
 
 def test_config_error():
@@ -193,12 +184,7 @@ def test_config_error():
 @pytest.mark.parametrize("T,H,relu,append", [(12288, 64, True, "mask"), (8192, 32, False, "warps")])
 def test_gpu_prefix_bit_identical(T, H, relu, append):
     """bf16 at real shapes (k 2048, warm start, compactions): identical indices and scores with select_prefix."""
-    g = torch.Generator(device="cuda").manual_seed(T + H)
-    q = torch.randn(T, H, 128, device="cuda", generator=g).bfloat16()
-    w = torch.randn(T, H, device="cuda", generator=g) * (H * 128) ** -0.5
-    k = torch.randn(T, 128, device="cuda", generator=g).bfloat16()
-    st, en = causal_bounds(T, T)
-    st, en = st.cuda(), en.cuda()
+    q, w, k, st, en = gpu_causal_inputs(T, H)
     cfg = op.replace(default_config(H, 2048), append=append)
     bi, bv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=cfg)
     pi, pv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, select_prefix=True))

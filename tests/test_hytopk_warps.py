@@ -132,9 +132,9 @@ def test_ties_exact_zeros_ranked_by_index(warm, spies):
     _check(q, w, k, st, en, topk, True, _interp_cfg(H, topk, warm_start=warm), spies, ranked=True)
 
 
-@interp
-def test_packed_segments_warm_start(spies):
-    """Packed segments (row blocks straddle segments), short and fully masked rows, warm start on."""
+def packed_rows_case():
+    """(q, w, k, starts, ends) at H 2, fp32: rows of packed segments (row blocks straddle segments), a short row
+    and a fully masked one."""
     lens = [70, 3, 90, 6]
     st, en = packed_causal_bounds(lens)
     T = sum(lens)
@@ -145,7 +145,23 @@ def test_packed_segments_warm_start(spies):
     q, w = q[keep].contiguous(), w[keep].contiguous()
     st[3], en[3] = 40, 40
     st[8], en[8] = 0, 0
-    _check(q, w, k, st, en, 8, True, _interp_cfg(2, 8, warm_start=64), spies)
+    return q, w, k, st, en
+
+
+def gpu_causal_inputs(T, H):
+    """(q, w, k, starts, ends) on the GPU: bf16 q / k, signed fp32 head weights, causal T = S."""
+    g = torch.Generator(device="cuda").manual_seed(T + H)
+    q = torch.randn(T, H, 128, device="cuda", generator=g).bfloat16()
+    w = torch.randn(T, H, device="cuda", generator=g) * (H * 128) ** -0.5
+    k = torch.randn(T, 128, device="cuda", generator=g).bfloat16()
+    st, en = causal_bounds(T, T)
+    return q, w, k, st.cuda(), en.cuda()
+
+
+@interp
+def test_packed_segments_warm_start(spies):
+    """Packed segments (row blocks straddle segments), short and fully masked rows, warm start on."""
+    _check(*packed_rows_case(), 8, True, _interp_cfg(2, 8, warm_start=64), spies)
 
 
 @interp
@@ -196,12 +212,7 @@ def test_gpu_warps_same_sets(T, H, relu):
     """bf16 at real shapes (k 2048, warm start, compactions): "warps" selects the default's sets with the same
     scores (the scoring code is shared: bit-identical after sorting by key index), deterministically; the
     output order is the buffer's, so it is checked against the index-sorted default."""
-    g = torch.Generator(device="cuda").manual_seed(T + H)
-    q = torch.randn(T, H, 128, device="cuda", generator=g).bfloat16()
-    w = torch.randn(T, H, device="cuda", generator=g) * (H * 128) ** -0.5
-    k = torch.randn(T, 128, device="cuda", generator=g).bfloat16()
-    st, en = causal_bounds(T, T)
-    st, en = st.cuda(), en.cuda()
+    q, w, k, st, en = gpu_causal_inputs(T, H)
     cfg = default_config(H, 2048)
     di, dv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=cfg)
     wi, wv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, append="warps"))

@@ -137,18 +137,15 @@ def _kth_key(key_rows, cnt, kk, o_h, R: tl.constexpr, CAP: tl.constexpr, CHUNK: 
 
 @triton.jit
 def _clz32(x):
-    """Leading zero bits of each int32 [any shape] (32 for 0): smear the top set bit down, count (SWAR: the same
-    code on the GPU and under the interpreter; only run on [R] vectors)."""
+    """Leading zero bits of each int32 [any shape] (32 for 0): smear the top set bit down, count the set bits
+    (_popc32's SWAR count: the same code on the GPU and under the interpreter; only run on [R] vectors)."""
     v = x.to(tl.uint32, bitcast=True)
     v = v | (v >> 1)
     v = v | (v >> 2)
     v = v | (v >> 4)
     v = v | (v >> 8)
     v = v | (v >> 16)
-    v = v - ((v >> 1) & 0x55555555)
-    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
-    v = (v + (v >> 4)) & 0x0F0F0F0F
-    return 32 - ((v * 0x01010101) >> 24).to(tl.int32)
+    return 32 - _popc32(v.to(tl.int32, bitcast=True), False)
 
 
 @triton.jit
