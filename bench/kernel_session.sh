@@ -23,8 +23,8 @@ case " $STEPS " in *" tests "*)
     | grep -E "passed|failed|FAILED|ERROR|Error|assert|[0-9]s (call|setup)" | tail -20;;
 esac
 # topk: HyTopK's exact variants checked bit for bit against the default, then the 64K config sweep
-# (defaults: append mask, early-stopping 2-bit select, warm start 1024; bench/NOTES_hytopk.md)
-TOPK_VARIANTS='{"warm_start":512};{"append":"tile"};{"search_bits":1};{"append":"tile","search_bits":1};{"warm_start":0};{"append":"warps"}'
+# (defaults: append warps, early-stopping 2-bit select, warm start 1024; bench/NOTES_hytopk.md)
+TOPK_VARIANTS='{"append":"mask"};{"warm_start":512};{"append":"tile"};{"append":"mask","search_bits":1};{"append":"tile","search_bits":1};{"warm_start":0}'
 case " $STEPS " in *" topk "*)
   echo "== topk check + sweep ($(date +%T))"
   timeout "${KS_TOPK_TIMEOUT:-420}" python3 bench/topk.py --out "$OUT" --parts check,sweep --check-specs "${KS_TOPK_CHECK_SPECS:-0,1,2,4}" \

@@ -44,6 +44,10 @@ p.add_argument("--no-sweep", action="store_true")
 p.add_argument("--sweep-only", default="",
                help="comma-separated substrings: sweep only the fwd / bwd variants whose name contains one")
 p.add_argument("--no-loss", action="store_true")
+p.add_argument("--emulate-tp", type=int, default=0,
+               help="also time the deferred loss with tp_split_rows as one rank (the last) of this many TP ranks, "
+                    "emulated in this process: collectives are no-ops (their time is not included; their bytes are "
+                    "reported). For when no multi-GPU machine is lent")
 p.add_argument("--sorted", action="store_true",
                help="ascending index rows, -1 padding last (HyTopK's order; stock gets the same rows)")
 p.add_argument("--out", default=os.environ.get("OUT", "/tmp/sparse_attn_out"))
@@ -371,7 +375,8 @@ def main():
         stock_default()
     append_csv(args.csv, ROWS)
     cols = ["T", "N", "ours_fwd", "ours_fwd_tf", "stock_fwd", "fwd_speedup", "ours_bwd", "ours_bwd_tf", "stock_bwd",
-            "bwd_speedup", "loss_ms", "loss_frac", "deferred_loss_ms", "deferred_loss_frac", "stock_loss_ms",
+            "bwd_speedup", "loss_ms", "loss_frac", "deferred_loss_ms", "deferred_loss_frac", "split_rank_loss_ms",
+            "split_rank_loss_frac", "stock_loss_ms",
             "loss_peak_gib"]
     say("\n" + markdown_table(table, cols))
     say(f"(ms medians; TFLOP/s on the k selected keys; fwd {fwd_name}, bwd {bwd_name}; total {time.time() - T0:.0f}s)")
@@ -426,6 +431,46 @@ def loss_path(T, N, K, q, kv, idx, lse, rec, stock):
     rec.update(stock_loss_ms=t_s["ms"])
 
 
+class EmulatedTPRank:
+    """Rank ``rank`` of a ``size``-rank TP group inside this single-GPU process, for timing one rank's share of
+    ``tp_split_rows`` (kernels/indexer_loss/deferred.py) when no multi-GPU machine is lent. Within ``with``:
+    torch.distributed reports itself initialised, get_rank answers ``rank``, all_reduce does nothing and
+    all_gather copies the local part into every slot (so shapes and the local copies are real; the collectives'
+    transfer time is NOT included: see comm_bytes)."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self.rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def __enter__(self):
+        d = torch.distributed
+        self._saved = (d.is_initialized, d.get_rank, d.all_reduce, d.all_gather)
+        d.is_initialized = lambda: True
+        d.get_rank = lambda group=None: self.rank
+        d.all_reduce = lambda t, group=None, **kw: None
+
+        def all_gather(parts, t, group=None, **kw):
+            for part in parts:
+                part.copy_(t)
+        d.all_gather = all_gather
+        return self
+
+    def __exit__(self, *exc):
+        d = torch.distributed
+        d.is_initialized, d.get_rank, d.all_reduce, d.all_gather = self._saved
+        return False
+
+
+def split_comm_bytes(T, K, S, H, D, tp):
+    """Bytes each collective of the split loss moves (whole tensors): the target all-reduce [T, k] fp32 (also
+    without the split, whenever heads are sharded), dq all-gather [T, H, D] bf16, dw all-gather [T, H] fp32, dk
+    all-reduce [S, D] fp32."""
+    return dict(target_allreduce=T * K * 4, dq_allgather=T * H * D * 2, dw_allgather=T * H * 4,
+                dk_allreduce=S * D * 4)
+
+
 def deferred_loss_path(T, N, K, q, kv, idx, leaves, rec):
     """The loss with its target from the attention backward (indexer_loss/deferred.py, the layer's default):
     its cost is the difference between attention fwd+bwd with the loss and without it, both through the
@@ -445,15 +490,37 @@ def deferred_loss_path(T, N, K, q, kv, idx, leaves, rec):
         out, _, loss = sparse_mla_with_indexer_loss(qa, kva, idx, SCALE, *leaves, v_dim=512, check_index_range=False)
         torch.autograd.backward([out, loss], [dout, one * 0.01])
 
-    a, b = [], []
-    for _ in range(2):  # alternate: drift hits both alike
+    tp = args.emulate_tp
+    grp = EmulatedTPRank(tp, tp - 1) if tp > 1 else None  # the last rank: every row has k indices (causal)
+
+    def attn_loss_split():
+        for t in (qa, kva, *leaves):
+            t.grad = None
+        with grp:
+            out, _, loss = sparse_mla_with_indexer_loss(qa, kva, idx, SCALE, *leaves, v_dim=512,
+                                                        check_index_range=False, tp_group=grp, tp_split_rows=True)
+            torch.autograd.backward([out, loss], [dout, one * 0.01])
+
+    a, b, c = [], [], []
+    for _ in range(3 if grp else 2):  # alternate: drift hits all alike
         a.append(timed(attn_only, target_ms=0, max_iters=3)["ms"])
         b.append(timed(attn_loss, target_ms=0, max_iters=3)["ms"])
+        if grp:
+            c.append(timed(attn_loss_split, target_ms=0, max_iters=3)["ms"])
     ta, tb = statistics.median(a), statistics.median(b)
     d = tb - ta
     emit(kind="loss", T=T, N=N, k=K, impl="ours-deferred", phase="attn fwd+bwd with loss - without", ms=round(d, 3),
          attn_only_ms=round(ta, 3), attn_with_loss_ms=round(tb, 3), frac_of_attn=round(d / ta, 3))
     rec.update(deferred_loss_ms=round(d, 3), deferred_loss_frac=round(d / ta, 3))
+    if grp:
+        tc = statistics.median(c)
+        nbytes = split_comm_bytes(T, K, kv.shape[0], leaves[0].shape[1], leaves[0].shape[2], tp)
+        emit(kind="loss", T=T, N=N, k=K, impl=f"ours-deferred tp_split_rows, 1 of {tp} ranks (emulated)",
+             phase="attn fwd+bwd with loss - without, one rank's compute", ms=round(tc - ta, 3),
+             attn_only_ms=round(ta, 3), attn_with_loss_ms=round(tc, 3), frac_of_attn=round((tc - ta) / ta, 3),
+             note="collectives not run (no multi-GPU machine): bytes "
+                  + ", ".join(f"{n} {v / 2 ** 20:.1f} MiB" for n, v in nbytes.items()))
+        rec.update(split_rank_loss_ms=round(tc - ta, 3), split_rank_loss_frac=round((tc - ta) / ta, 3))
 
 
 def stock_default():

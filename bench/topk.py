@@ -358,11 +358,12 @@ def by_index(idx, val):
 
 
 def variant_cfgs(base):
-    """Exact variants the check compares bit for bit to the default: warm start off / 512 (the default
-    before session 10), the prefix-sum append and the 1-bit select (the defaults before session 6)."""
-    return [replace(base, warm_start=0), replace(base, warm_start=512), replace(base, append="tile"),
-            replace(base, search_bits=1), replace(base, select_prefix=True),
-            replace(base, append="warps", select_prefix=True)]
+    """Exact variants the check compares to the default (rows sorted by key index): warm start off / 512 (the
+    default before session 10), the "mask" append (the default until session 15), the prefix-sum append and the
+    1-bit select (the defaults before session 6), the select starting below the shared leading bits."""
+    return [replace(base, warm_start=0), replace(base, warm_start=512), replace(base, append="mask"),
+            replace(base, append="tile"), replace(base, append="mask", search_bits=1),
+            replace(base, select_prefix=True), replace(base, append="mask", select_prefix=True)]
 
 
 WARM_CHECK_SPECS = (0, 1, 2, 4)  # causal relu, identity w+-, packed, QSA H4
@@ -370,11 +371,12 @@ WARM_CHECK_SPECS = (0, 1, 2, 4)  # causal relu, identity w+-, packed, QSA H4
 
 def check_warm(name, q, w, k, st, en, kk, relu):
     """Config.warm_start (and search_bits=2) are exact: the output must equal the default's bit for bit
-    (same sets, both in ascending key order); also how many rows used the sampled threshold / fell back
+    after sorting each row by key index (the "warps" append, the default since session 15, returns rows in its
+    buffer's order; the others ascending); also how many rows used the sampled threshold / fell back
     to -inf. Where it differs, the rows are classified: indices differ (a different selection), or only
     the returned fp32 scores differ (same selection; the variant's compiled head sum rounds differently)."""
     base = default_config(q.shape[1], kk, interpret=args.smoke)
-    ref_i, ref_v = hytopk(q, w, k, st, en, kk, relu=relu, return_scores=True, config=base)
+    ref_i, ref_v = by_index(*hytopk(q, w, k, st, en, kk, relu=relu, return_scores=True, config=base))
     out = []
     variants = variant_cfgs(base)
     if args.check_variants:
@@ -385,8 +387,7 @@ def check_warm(name, q, w, k, st, en, kk, relu):
         i2, v2 = hytopk(q, w, k, st, en, kk, relu=relu, return_scores=True, config=cfg)
         det = bool(torch.equal(i1, i2) and torch.equal(v1, v2))  # as returned (order included)
         n_nondet = int((i1 != i2).any(1).sum())
-        if cfg.append == "warps":  # buffer order, not ascending: compared to the default sorted by key index
-            i1, v1 = by_index(i1, v1)
+        i1, v1 = by_index(i1, v1)  # "warps": buffer order; the other appends: already ascending
         idx_rows = (i1 != ref_i).any(1)
         val_rows = ~(torch.isclose(v1, ref_v, rtol=0, atol=0) | (torch.isinf(v1) & torch.isinf(ref_v))).all(1)
         # scores of the variant vs the default where both picked the same slot index: rounding only?
@@ -441,8 +442,9 @@ if "check" in args.parts:
 # ------------------------------------------------------------------------------------------
 # (2) config sweep
 # ------------------------------------------------------------------------------------------
-_D = Config()  # the default launch (session 6: append "mask", search_bits 2, warm start 512; s. 7: 3 stages;
-# s. 9: lane_rows; s. 10: the early-stopping 2-bit select replaced the full one, warm start 1024)
+_D = replace(Config(), append="mask")  # the default launch until session 15 (session 6: append "mask", search_bits
+# 2, warm start 512; s. 7: 3 stages; s. 9: lane_rows; s. 10: the early-stopping 2-bit select replaced the full one,
+# warm start 1024). Session 15 made append="warps" the default (cfg23 here); the cfg numbers keep their meaning.
 SWEEP = [
     _D,
     replace(_D, num_warps=8, num_stages=3, programs_per_sm=1),
@@ -549,7 +551,9 @@ if "sweep" in args.parts:
                      replace(SWEEP[0], rows_x_heads=32, lane_rows=False),  # cfg9: before session 9
                      replace(SWEEP[0], rows_x_heads=32, warm_start=512),  # cfg10: warm start before s. 10
                      replace(SWEEP[0], rows_x_heads=32, warm_start=2048),  # cfg11 (k 512: capped at CAP 1024)
-                     replace(SWEEP[0], rows_x_heads=32, raw_keys=False, head_sum="pairs")]  # cfg12: s. 11 default
+                     replace(SWEEP[0], rows_x_heads=32, raw_keys=False, head_sum="pairs"),  # cfg12: s. 11 default
+                     replace(SWEEP[0], rows_x_heads=32, append="warps"),  # cfg13: the default since session 15
+                     replace(SWEEP[0], rows_x_heads=32, append="warps", warm_start=512)]  # cfg14
         if args.smoke:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
                      replace(default_config(H, kk, interpret=True), append="tile")]

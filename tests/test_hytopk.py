@@ -148,13 +148,15 @@ def test_packed_segments_and_determinism():
 @interp
 @pytest.mark.parametrize("search_bits", [1, 2])
 def test_block_rows_config(search_bits):
-    """Other launch shapes (more rows per program, bigger tiles, 2-bit radix passes): same sets."""
+    """Other launch shapes (more rows per program, bigger tiles, 1-bit radix passes with the "mask" append, which
+    they need; 2-bit passes with the default "warps" append): same sets."""
     T, S, H, topk = 19, 70, 4, 8
     q, w, k = _inputs(T, S, H, seed=13)
     w[3] = -w[3].abs()
     st, en = causal_bounds(T, S, offset=S - T)
     cfg = Config(block_n=32, rows_x_heads=16, num_warps=1, num_stages=1, programs_per_sm=1,
-                 min_free_tiles=1, sel_chunk=64, search_bits=search_bits)
+                 min_free_tiles=1, sel_chunk=64, search_bits=search_bits,
+                 append="warps" if search_bits == 2 else "mask")
     idx, val = hytopk(q, w, k, st, en, topk, relu=False, return_scores=True, config=cfg)
     assert_same_selection(q, w, k, st, en, topk, False, idx, val)
 

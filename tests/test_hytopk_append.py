@@ -1,5 +1,6 @@
-"""HyTopK's two candidate appends against each other and the PyTorch reference: "mask" (the default:
-per-row candidate bit mask + popc) and "tile" (a prefix sum over each key tile's keys).
+"""HyTopK's two ascending-order candidate appends against each other and the PyTorch reference: "mask"
+(per-row candidate bit mask + popc; the default until session 15) and "tile" (a prefix sum over each key tile's
+keys). The default "warps" append (rows in buffer order) is tested in tests/test_hytopk_warps.py.
 
 CPU: the Triton kernel runs in the interpreter at tiny fp32 shapes (tests/conftest.py sets
 TRITON_INTERPRET=1 when there is no CUDA); re-run in a subprocess if this process imported the
@@ -139,7 +140,7 @@ def test_other_launch_shape(variant):
     w[3] = -w[3].abs()
     st, en = causal_bounds(T, S, offset=S - T)
     cfg = Config(block_n=32, rows_x_heads=16, num_warps=1, num_stages=1, programs_per_sm=1,
-                 min_free_tiles=1, sel_chunk=64, search_bits=1, warm_start=0)
+                 min_free_tiles=1, sel_chunk=64, search_bits=1, warm_start=0, append="mask")
     _check(q, w, k, st, en, topk, False, cfg, variant)
 
 
@@ -149,17 +150,17 @@ def test_interpreter_in_subprocess():
 
 
 def test_config_append_checked():
-    """Config.append: "mask" (the default; block_n <= 64: one int64 mask per tile), "tile" or "warps"
-    (tests/test_hytopk_warps.py); anything else is refused naming the field, mask with larger tiles says to
+    """Config.append: "warps" (the default since session 15; tests/test_hytopk_warps.py), "mask" (block_n <= 64:
+    one int64 mask per tile) or "tile"; anything else is refused naming the field, mask with larger tiles says to
     use "tile"."""
-    assert Config().append == "mask" and Config().search_bits == 2 and op.APPENDS == ("tile", "mask", "warps")
+    assert Config().append == "warps" and Config().search_bits == 2 and op.APPENDS == ("tile", "mask", "warps")
     for value in op.APPENDS:
         op.check_config(Config(append=value), interpret=False)
     for bad in ("pair", "", 2, None):
         with pytest.raises(ValueError, match="Config.append must be one of"):
             op.check_config(Config(append=bad), interpret=True)
     with pytest.raises(ValueError, match="append='mask' needs block_n <= 64.*use append='tile'"):
-        op.check_config(Config(block_n=128), interpret=True)
+        op.check_config(Config(append="mask", block_n=128), interpret=True)
     op.check_config(Config(append="tile", block_n=128), interpret=True)
 
 
@@ -187,7 +188,8 @@ def test_gpu_append_variant_bit_identical(T, S, H, topk, relu, ratio):
         st, en = torch.zeros_like(t, dtype=torch.int32), ((t + 1) // ratio).to(torch.int32)
     ref_i, ref_v = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=Config(append="tile"))
     for _ in range(2):  # deterministic too
-        idx, val = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True)  # default: append="mask"
+        idx, val = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True,
+                          config=op.replace(default_config(H, topk), append="mask"))
         assert torch.equal(idx, ref_i), f"{int((idx != ref_i).any(1).sum())} rows differ"
         if H > 4:  # H = 4: the head sum compiles to another order (1 ulp, measured on the H200): same sets
             assert torch.equal(val, ref_v)

@@ -112,7 +112,7 @@ sig = dict(q_ptr="*bf16", w_ptr="*bf16", k_ptr="*bf16", starts_ptr="*i32", ends_
 attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
 H, D, kk = 64, 128, 2048
 for bits in (1, 2):
-    cfg = Config(search_bits=bits)
+    cfg = Config(search_bits=bits, append="mask")
     const = op.kernel_constexprs(cfg, H, D, kk, select=True, relu=True, write_scores=True, ieee=False,
                                  interp=False)
     k = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const, attrs),
@@ -154,7 +154,7 @@ def test_gpu_search2_bit_identical(T, S, H, topk, relu):
 
     q, w, k = _inputs(T, S, H, D=128, seed=T, dtype=torch.bfloat16, device="cuda", w_sign=not relu)
     st, en = causal_bounds(T, S, offset=S - T, device="cuda")
-    cfg = default_config(H, topk)
+    cfg = replace(default_config(H, topk), append="mask")  # 1-bit vs 2-bit: the "mask" append
     assert cfg.search_bits == 2
     one = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=replace(cfg, search_bits=1))
     two = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=cfg)

@@ -176,7 +176,7 @@ def test_prefix_ties_and_packed(append, clz_calls):
 
 def test_config_error():
     with pytest.raises(ValueError, match="select_prefix needs search_bits=2"):
-        op.check_config(op.Config(select_prefix=True, search_bits=1), False)
+        op.check_config(op.Config(select_prefix=True, search_bits=1, append="mask"), False)
     op.check_config(op.Config(select_prefix=True), False)
 
 

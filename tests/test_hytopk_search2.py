@@ -37,7 +37,8 @@ interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in
 
 def _cfg(H, search_bits, warm=0):
     return Config(block_n=16, rows_x_heads=2 * H, num_warps=1, num_stages=1, programs_per_sm=1,
-                  min_free_tiles=1, sel_chunk=64, search_bits=search_bits, warm_start=warm)
+                  min_free_tiles=1, sel_chunk=64, search_bits=search_bits, warm_start=warm,
+                  append="mask")  # 1-bit vs 2-bit identity: the "mask" append (ascending rows)
 
 
 def _near_tie_inputs(T, S, H=4, D=16, spread=8, seed=0, base=1.0):
@@ -173,11 +174,11 @@ def test_gpu_search_bits2_bit_identical(T, H, relu, warm):
     w = torch.randn(T, H, generator=g, device="cuda")
     w = w.abs() if relu else w
     st, en = causal_bounds(T, T, device="cuda")
-    base = Config(warm_start=warm, search_bits=1)
+    base = Config(warm_start=warm, search_bits=1, append="mask")
     one = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=base)
     for _ in range(2):
         two = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True,
-                     config=Config(warm_start=warm, search_bits=2))
+                     config=Config(warm_start=warm, search_bits=2, append="mask"))
         assert torch.equal(two[0], one[0]), f"{int((two[0] != one[0]).any(1).sum())} rows differ"
         assert torch.equal(two[1], one[1])
 
@@ -190,8 +191,8 @@ def test_gpu_search_bits2_near_ties():
     q, w, k = q.cuda(), w.cuda(), k.cuda()
     st = torch.zeros(T, dtype=torch.int32, device="cuda")
     en = torch.full((T,), S, dtype=torch.int32, device="cuda")
-    one = hytopk(q, w, k, st, en, topk, relu=False, config=Config(search_bits=1))
-    two = hytopk(q, w, k, st, en, topk, relu=False, config=Config(search_bits=2))
+    one = hytopk(q, w, k, st, en, topk, relu=False, config=Config(search_bits=1, append="mask"))
+    two = hytopk(q, w, k, st, en, topk, relu=False, config=Config(search_bits=2, append="mask"))
     assert torch.equal(one, two)
     ref = hytopk_reference(q[::257].cpu(), w[::257].cpu(), k.cpu(), st[::257].cpu(), en[::257].cpu(), topk, relu=False)
     for r, t in enumerate(range(0, T, 257)):

@@ -29,7 +29,8 @@ interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in
 def _cfg(H, warm=64, search_bits=1, rows=2):
     """Interpreter launch shape (R = rows query rows per program) with the warm start on."""
     return Config(block_n=16, rows_x_heads=rows * H, num_warps=1, num_stages=1, programs_per_sm=1,
-                  min_free_tiles=1, sel_chunk=64, search_bits=search_bits, warm_start=warm)
+                  min_free_tiles=1, sel_chunk=64, search_bits=search_bits, warm_start=warm,
+                  append="mask")  # the "warps" append's warm start: tests/test_hytopk_warps.py
 
 
 def _inputs(T, S, H, D=16, seed=0, w_sign=True):
@@ -206,7 +207,8 @@ def test_interpreter_in_subprocess():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("warm", [512, 1024])
 def test_gpu_warm_start_matches_default(warm):
-    """Causal 8K, H 64, k 2048: identical to the warm_start=0 output; the fallback is rare."""
+    """Causal 8K, H 64, k 2048: the warm_start=0 output's sets (the default "warps" append returns rows in its
+    buffer's order, which depends on the compaction history: compared sorted); the fallback is rare."""
     T = S = 8192
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(T, 64, 128, device="cuda", generator=g).bfloat16()
@@ -216,7 +218,7 @@ def test_gpu_warm_start_matches_default(warm):
     ref = hytopk(q, w, k, st, en, 2048, config=Config(warm_start=0))
     got = hytopk(q, w, k, st, en, 2048, config=Config(warm_start=warm))
     stats = op.warm_stats()
-    assert torch.equal(got, ref)
+    assert torch.equal(got.sort(dim=1).values, ref.sort(dim=1).values)
     assert stats["warm_rows"] > 0 and stats["fallback_rows"] <= stats["warm_rows"] // 100, stats
 
 

@@ -1,4 +1,5 @@
-"""HyTopK's per-key-group append, Config.append="warps", against the default "mask" append and the reference.
+"""HyTopK's per-key-group append, Config.append="warps" (the default since session 15), against the "mask"
+append and the reference.
 
 "warps" splits each key tile into KEY_GROUPS groups (one warp's MMA rows each on the GPU) that append to their
 own regions of a row's candidate buffer, so its output rows come in buffer order, not ascending: every case
@@ -209,12 +210,13 @@ def test_config_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,H,relu", [(12288, 64, True), (8192, 32, False)])
 def test_gpu_warps_same_sets(T, H, relu):
-    """bf16 at real shapes (k 2048, warm start, compactions): "warps" selects the default's sets with the same
-    scores (the scoring code is shared: bit-identical after sorting by key index), deterministically; the
-    output order is the buffer's, so it is checked against the index-sorted default."""
+    """bf16 at real shapes (k 2048, warm start, compactions): "warps" (the default) selects the "mask" append's
+    sets with the same scores (the scoring code is shared: bit-identical after sorting by key index),
+    deterministically; the output order is the buffer's, so it is checked against the index-sorted "mask" rows."""
     q, w, k, st, en = gpu_causal_inputs(T, H)
     cfg = default_config(H, 2048)
-    di, dv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=cfg)
+    assert cfg.append == "warps"
+    di, dv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, append="mask"))
     wi, wv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, append="warps"))
     wi2 = hytopk(q, w, k, st, en, 2048, relu=relu, config=op.replace(cfg, append="warps"))
     assert torch.equal(wi, wi2), "two runs differ"

@@ -56,16 +56,18 @@ class Config:
     # (H200, 64K causal, full 2-bit search at 512 -> early 2-bit search at 1024): H 64 75.25 -> 74.45 ms
     # (74.54 at 512), H 32 50.69 -> 47.84, H 4 k 512 8.48 -> 7.97; output bit-identical (bench/NOTES_hytopk.md)
     warm_start: int = 1024
-    # candidate append in the key loop. "mask" (block_n <= 64): each row's candidates become an int64 bit
-    # mask by a sum in the scores' MMA-derived layout, slot = count + popc(mask below the key), no scan;
-    # "tile": a prefix sum over the tile's keys (any block_n). Output bit-identical. "mask" measured
-    # 1.07-1.12x faster at 64K (H200, session 6). ("pair", one append per two tiles, was 1.29x slower:
-    # its 133 KB of K buffers allow only one program per SM; removed.) "warps" (block_n / 4 <= 32, raw_keys,
-    # search_bits 2): the tile's keys in 4 groups of block_n / 4 (one warp's MMA rows each on the GPU), each
-    # appending to its own region of the row's buffer with an int32 mask: no cross-warp reduction or barrier
-    # per tile (sm_90a key loop, bench/topk.py --resources). Same index sets; the order within a row is then
-    # the buffer's (deterministic, not ascending), and keys tied at the k-th score are ranked by key index.
-    append: str = "mask"
+    # candidate append in the key loop. "warps" (default since session 15; block_n / 4 <= 32, raw_keys, search_bits
+    # 2): the tile's keys in 4 groups of block_n / 4 (one warp's MMA rows each on the GPU), each appending to its
+    # own region of the row's buffer with an int32 mask: no cross-warp reduction or barrier per tile (sm_90a key
+    # loop 495 -> 463 instrs, bench/topk.py --resources). Same index sets as "mask"; the order within a row is the
+    # buffer's (deterministic, not ascending) and keys tied at the k-th score are ranked by key index. H200, 64K
+    # causal, 9 interleaved rounds (session 14, bench/topk.py --ab-rounds 9): H 64 71.62 -> 71.08 ms, H 32 45.19 ->
+    # 43.16. "mask" (block_n <= 64): each row's candidates become an int64 bit mask by a sum in the scores'
+    # MMA-derived layout, slot = count + popc(mask below the key), no scan; rows come out in ascending key index.
+    # "tile": a prefix sum over the tile's keys (any block_n). "mask" was 1.07-1.12x faster than "tile" at 64K (H200,
+    # session 6). ("pair", one append per two tiles, was 1.29x slower: its 133 KB of K buffers allow only one
+    # program per SM; removed.)
+    append: str = "warps"
     # score-tile columns ordered so that each lane of the MMA accumulator holds whole rows: the head sum
     # stays in the thread and each (key, row) score lives in one thread, not four (which all ran the
     # selection and its stores). sm_90a key loop per 64-key tile at H 64 (bench/NOTES_hytopk.md, session 8):
@@ -76,7 +78,7 @@ class Config:
     lane_rows: bool = True
     # candidate buffers hold the scores' raw fp32 bits: the key loop tests each score against the segment's
     # fp32 bound (_thr_score) and skips the int-key conversion per score; the select converts the buffered
-    # ones. append="mask" only (ignored with "tile"). sm_90a key loop 569 -> 555 instrs per 64-key tile (H 64).
+    # ones. append="mask" / "warps" (ignored with "tile"). sm_90a key loop 569 -> 555 instrs per 64-key tile (H 64).
     # H200, 64K causal, one process each (session 11, bench/topk.py --parts sweep): H 64 74.30 -> 73.94 ms, H 32
     # 47.62 -> 46.36. Same indices in the GPU tests; compiled, the head sum may round differently (FMA
     # contraction): last-bit score differences on sums near 0. Default since session 12 (the HyTopK GPU suite
@@ -108,7 +110,7 @@ def check_config(cfg: Config, interpret: bool) -> None:
               f"(one int32 mask per key group), got {cfg.block_n}")
         check(cfg.search_bits == 2 and cfg.raw_keys,
               "hytopk: Config.append='warps' needs search_bits=2 and raw_keys=True, got "
-              f"search_bits={cfg.search_bits}, raw_keys={cfg.raw_keys}")
+              f"search_bits={cfg.search_bits}, raw_keys={cfg.raw_keys}; set append='mask' (or 'tile') to use them")
     check(not cfg.select_prefix or cfg.search_bits == 2,
           f"hytopk: Config.select_prefix needs search_bits=2 (the 2-bit select), got search_bits={cfg.search_bits}")
     check(cfg.head_sum in HEAD_SUMS, f"hytopk: Config.head_sum must be one of {HEAD_SUMS}, got {cfg.head_sum!r}")
