@@ -48,7 +48,9 @@ p = argparse.ArgumentParser()
 p.add_argument("--out", default=os.environ.get("OUT", "/tmp/topk_out"))
 p.add_argument("--csv", default=None, help="CSV to append to (default: <out>/topk.csv)")
 p.add_argument("--budget-s", type=float, default=470.0, help="stop starting new work after this")
-p.add_argument("--parts", default="check,sweep,main")
+p.add_argument("--parts", default="check,sweep,main",
+               help="comma list: check, sweep, ablate (where the time over the floor goes: --sweep-S, --sweep-heads 64/32, "
+                    "--ab-rounds rounds), main")
 p.add_argument("--sizes", default="16384,32768,65536,131072,262144")
 p.add_argument("--heads", default="64,32")
 p.add_argument("--stock-max", type=int, default=131072, help="largest S for stock TileLang (2.1 s/call at 128K)")
@@ -594,6 +596,42 @@ if "sweep" in args.parts:
         del q, w, k
         empty_cache()
     log("BEST", {h: c.__dict__ for h, c in BEST.items()})
+
+
+# ------------------------------------------------------------------------------------------
+# (2b) ablation: where HyTopK's time over the floor goes (benchmark-only kernel variants, not selections)
+# ------------------------------------------------------------------------------------------
+if "ablate" in args.parts:
+    from hyscale_kernels.hytopk.op import ABLATIONS, hytopk_ablation
+
+    S = 64 if args.smoke else args.sweep_S
+    rounds = max(1, args.ab_rounds or 5)
+    for H, kk in ((4, 8),) if args.smoke else [(h, 2048) for h in (64, 32) if str(h) in args.sweep_heads.split(",")]:
+        q, w, k = make_inputs(S, S, H)
+        st, en = causal(S)
+        fl = flops(st, en, H)
+        base = default_config(H, kk, interpret=args.smoke)
+        parts = [("hytopk", lambda: hytopk(q, w, k, st, en, kk, check_bounds=False, config=base)),
+                 ("warm_start 0", lambda: hytopk(q, w, k, st, en, kk, check_bounds=False,
+                                                 config=replace(base, warm_start=0)))]
+        parts += [(ABLATIONS[a], (lambda a=a: hytopk_ablation(q, w, k, st, en, kk, a, config=base))) for a in (1, 2, 3)]
+        parts += [("floor (lazy max)", lambda: hytopk_floor(q, w, k, st, en, config=base, topk=kk, lazy_max=True))]
+        ms = {n: [] for n, _ in parts}
+        for r in range(rounds):  # interleaved: drift hits every part alike
+            for n, fn in parts:
+                ms[n].append(time_fn(fn, target_ms=300)[0])
+        f = statistics.median(ms["floor (lazy max)"])
+        for n, _ in parts:
+            h = statistics.median(ms[n])
+            hs = sorted(ms[n])
+            log(f"ABLATE H{H} S{S} {n}: {h:.2f} ms (rounds {hs[0]:.2f}-{hs[-1]:.2f}) x floor {h / f:.3f}")
+            record(shape=f"ablate {n}", impl="hytopk" if "floor" not in n else "floor", H=H, D=D_I, topk=kk, T=S,
+                   S_keys=S, ms=round(h, 3), ms_p20=round(hs[int(0.2 * (len(hs) - 1))], 3),
+                   ms_p80=round(hs[int(round(0.8 * (len(hs) - 1)))], 3), tflops=round(fl / h / 1e9, 1),
+                   x_floor=round(h / f, 3), config=json.dumps(base.__dict__),
+                   note=f"{rounds} interleaved rounds; ablations are timing variants, not selections")
+        del q, w, k
+        empty_cache()
 
 
 def cfg_for(H):

@@ -364,3 +364,20 @@ def test_floor_row_max(lazy_max):
         ref = sc.masked_fill(~vis, float("-inf")).amax(dim=1)
         assert got.shape == (T,) and got[3] == float("-inf")
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@interp
+def test_ablation_entry_point():
+    """op.hytopk_ablation (bench/topk.py --parts ablate: timing variants, not selections) refuses unknown modes;
+    mode 2 really lets no key become a candidate: every output slot is -1 padding (and its fail-safe re-run from
+    -inf is off, so the key loop runs once)."""
+    from hyscale_kernels.hytopk.op import hytopk_ablation
+
+    T, S, H, topk = 9, 40, 4, 4
+    q, w, k = _inputs(T, S, H, seed=3)
+    st, en = causal_bounds(T, S, offset=S - T)
+    with pytest.raises(ValueError, match="ablate must be one of"):
+        hytopk_ablation(q, w, k, st, en, topk, 0)
+    for mode in (1, 3):
+        assert hytopk_ablation(q, w, k, st, en, topk, mode).shape == (T, topk)
+    assert (hytopk_ablation(q, w, k, st, en, topk, 2) == -1).all()

@@ -622,7 +622,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
               APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False,
-              RAW: tl.constexpr = False, PREFIX: tl.constexpr = False):
+              RAW: tl.constexpr = False, PREFIX: tl.constexpr = False, ABLATE: tl.constexpr = 0):
     """The row block's key loop (all its tiles, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask), 2 "warps" (_key_warps: the key groups'
@@ -659,6 +659,8 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                     cnt = tl.minimum(cnt, kk)
                 n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
         thr_f = _thr_score(thr)  # [R] RAW: the segment's fp32 bound (thr is fixed within a segment)
+        if ABLATE >= 2:  # ablation (benchmarks only): no score passes the bound, every loop instruction still runs
+            thr_f = tl.where(thr_f == thr_f, float("inf"), thr_f)
         if WARPS:  # counts -> next free slots for the tile loop (and back after it)
             cnt_g += reg0 + (tl.arange(0, KEY_GROUPS) * F)[:, None]
         if WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
@@ -694,8 +696,12 @@ def hytopk_kernel(
     WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
     WARM: tl.constexpr = 0, CHUNK_W: tl.constexpr = 1, WARM_Z: tl.constexpr = 4.0, WARM_MIN: tl.constexpr = 16,
     APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False, LAZY_MAX: tl.constexpr = False,
-    RAW: tl.constexpr = False, PREFIX: tl.constexpr = False,
+    RAW: tl.constexpr = False, PREFIX: tl.constexpr = False, ABLATE: tl.constexpr = 0,
 ):
+    """ABLATE (bench/topk.py --parts ablate only, via op.hytopk_ablation; the output is not a valid selection): 1 skips
+    the final select and its output writes, 2 lets no key become a candidate in the key loop (no appends, hence no
+    compactions; every instruction of the loop still runs), 3 both. Timing these against the full kernel splits
+    its cost over the key loop's code, its appends and compactions, and the final select."""
     i_p = tl.program_id(0)
     RH: tl.constexpr = R * H
     o_d = tl.arange(0, D_P2)  # [D_P2]
@@ -753,10 +759,12 @@ def hytopk_kernel(
                 cnt, cnt_g, reg0, F, thr, b_max = _key_loop(
                     n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                     idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
-                    WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, PREFIX=PREFIX)
+                    WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, PREFIX=PREFIX, ABLATE=ABLATE)
                 # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
                 # keep their buffers and append nothing more (no key is > INT32_MAX)
                 fail = on & (_n_buffered(cnt, cnt_g, APPEND == 2) < kk)  # [R]; all False after the first pass
+                if ABLATE >= 2:  # ablation: no candidates by design, no re-run
+                    fail = on & (cnt < 0)
                 n_f = tl.sum(fail.to(tl.int32), axis=0)
                 n_fail += n_f
                 n_pass += (n_f > 0).to(tl.int32)
@@ -779,9 +787,12 @@ def hytopk_kernel(
             cnt, cnt_g, reg0, F, thr, b_max = _key_loop(
                 n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                 idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
-                WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, PREFIX=PREFIX)
+                WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, PREFIX=PREFIX,
+                ABLATE=ABLATE)
 
-        if SELECT:
+        if SELECT and (ABLATE % 2 == 1):
+            tl.debug_barrier()  # ablation: no final select, no output (the next row block reuses the scratch)
+        elif SELECT:
             tl.debug_barrier()
             o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
             _select_store(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,

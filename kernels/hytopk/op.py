@@ -169,7 +169,7 @@ def lane_rows(cfg: Config, R: int, H: int) -> bool:
 
 
 def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, relu: bool, write_scores: bool,
-                      ieee: bool, interp: bool, lazy_max: bool = False) -> dict:
+                      ieee: bool, interp: bool, lazy_max: bool = False, ablate: int = 0) -> dict:
     """hytopk_kernel's constexpr arguments for a launch (also what AOT compiles for sm_90a pass).
     ``lazy_max``: the floor (select=False) keeps a per-element running max, reduced once after the key loop."""
     R, cap, chunk, min_free, d_p2 = _geometry(H, D, topk, cfg)
@@ -181,7 +181,7 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 LANE_ROWS=(1 + HEAD_SUMS.index(cfg.head_sum)) if lane_rows(cfg, R, H) else 0,
                 LAZY_MAX=bool(lazy_max) and not select,
                 RAW=bool(cfg.raw_keys) and bool(select) and cfg.append in ("mask", "warps"),
-                PREFIX=bool(cfg.select_prefix) and bool(select) and cfg.search_bits == 2)
+                PREFIX=bool(cfg.select_prefix) and bool(select) and cfg.search_bits == 2, ABLATE=int(ablate))
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):
@@ -193,7 +193,7 @@ def _warm_geometry(cap: int, chunk: int, cfg: Config):
 
 
 def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, config: Config | None = None,
-            lazy_max: bool = False):
+            lazy_max: bool = False, ablate: int = 0):
     """Run the Triton kernel. select=False runs the no-selection floor (returns the row max)."""
     T, H, D = q.shape
     S = k.shape[0]
@@ -201,7 +201,7 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     cfg = config or default_config(H, topk, interp)
     check_config(cfg, interp)
     meta = kernel_constexprs(cfg, H, D, topk, select=select, relu=relu, write_scores=select and return_scores,
-                             ieee=q.dtype == torch.float32, interp=interp, lazy_max=lazy_max)
+                             ieee=q.dtype == torch.float32, interp=interp, lazy_max=lazy_max, ablate=ablate)
     R, cap, warm = meta["R"], meta["CAP"], meta["WARM"]
     n_blocks = triton_cdiv(T, R)
     if interp or not q.is_cuda:
@@ -338,6 +338,19 @@ def hytopk_floor(q, w, k, starts, ends, relu: bool = True, config: Config | None
     max per tile (sm_90a key loop: no per-tile barrier for it; a stricter floor, session 10, untimed).
     """
     return _launch(q, w, k, starts, ends, topk, relu, False, select=False, config=config, lazy_max=lazy_max)
+
+
+ABLATIONS = {1: "no final select", 2: "no candidates in the key loop", 3: "no candidates, no final select"}
+
+
+def hytopk_ablation(q, w, k, starts, ends, topk: int, ablate: int, relu: bool = True,
+                    config: Config | None = None) -> torch.Tensor:
+    """Benchmark-only timing breakdown of HyTopK (bench/topk.py --parts ablate): the kernel with a part removed,
+    see ABLATIONS (1: the final select and its writes; 2: every key fails the candidate test, so no appends and no
+    compactions, while the key loop's instructions all run; 3: both). Returns the (unwritten or meaningless)
+    indices: NOT a selection. Never call this for results."""
+    check(ablate in ABLATIONS, f"hytopk_ablation: ablate must be one of {sorted(ABLATIONS)}, got {ablate}")
+    return _launch(q, w, k, starts, ends, topk, relu, False, config=config, ablate=ablate)
 
 
 __all__ = ["hytopk", "hytopk_floor", "Config", "default_config", "interpreter_active", "MAX_TOPK", "replace",
