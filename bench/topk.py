@@ -145,18 +145,19 @@ def resources(cfgs, H=64, D=128, kk=2048):
             print(f"#{i} {cfg}: compile failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
 
-if args.resources:  # the default launch (append mask, 2-bit select, warm start 1024, raw keys, chain head sum), the
-    # per-warp append, the prefix-started select (both appends), the session-11 parts (int keys, pair head sum),
-    # warm start off / 512, the prefix-sum append,
+if args.resources:  # the default launch (append warps, 2-bit select, warm start 1024, raw keys, chain head sum),
+    # the interpolation k-th search, the mask append (the default until session 15), the prefix-started select
+    # (both appends), the session-11 parts (int keys, pair head sum), warm start off / 512, the prefix-sum append,
     # 1-bit select, the floors
     _base = Config()
-    resources([_base, replace(_base, append="warps"), replace(_base, select_prefix=True),
-               replace(_base, append="warps", select_prefix=True), replace(_base, raw_keys=False),
+    _mask = replace(_base, append="mask")
+    resources([_base, replace(_base, kth_search="interp"), _mask, replace(_mask, select_prefix=True),
+               replace(_base, select_prefix=True), replace(_mask, raw_keys=False),
                replace(_base, head_sum="pairs"),
-               replace(_base, raw_keys=False, head_sum="pairs"), replace(_base, warm_start=0),
+               replace(_mask, raw_keys=False, head_sum="pairs"), replace(_base, warm_start=0),
                replace(_base, warm_start=512),
                replace(_base, append="tile"),
-               replace(_base, search_bits=1), replace(_base, append="tile", search_bits=1), ("floor", _base),
+               replace(_mask, search_bits=1), replace(_base, append="tile", search_bits=1), ("floor", _base),
                ("floor lazy max", _base), ("floor lazy max", replace(_base, head_sum="pairs"))])
     sys.exit(0)
 
@@ -484,6 +485,8 @@ SWEEP = [
     replace(_D, select_prefix=True),  # cfg28: session 14, radix passes start below the keys' shared leading bits
     replace(_D, append="warps", select_prefix=True),  # cfg29
     replace(_D, append="warps", warm_start=512, select_prefix=True),  # cfg30
+    replace(_D, append="warps", kth_search="interp"),  # cfg31: session 15, the interpolation k-th search
+    replace(_D, append="warps", kth_search="interp", warm_start=512),  # cfg32
 ]
 BEST = {}
 
@@ -544,7 +547,8 @@ if "sweep" in args.parts:
                      replace(SWEEP[0], rows_x_heads=128, append="warps", warm_start=512),  # cfg13
                      replace(SWEEP[0], rows_x_heads=128, select_prefix=True),  # cfg14: session 14
                      replace(SWEEP[0], rows_x_heads=128, append="warps", select_prefix=True),  # cfg15
-                     replace(SWEEP[0], rows_x_heads=128, append="warps", warm_start=512, select_prefix=True)]  # 16
+                     replace(SWEEP[0], rows_x_heads=128, append="warps", warm_start=512, select_prefix=True),  # 16
+                     replace(SWEEP[0], rows_x_heads=128, append="warps", kth_search="interp")]  # cfg17: session 15
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],
@@ -555,7 +559,8 @@ if "sweep" in args.parts:
                      replace(SWEEP[0], rows_x_heads=32, warm_start=2048),  # cfg11 (k 512: capped at CAP 1024)
                      replace(SWEEP[0], rows_x_heads=32, raw_keys=False, head_sum="pairs"),  # cfg12: s. 11 default
                      replace(SWEEP[0], rows_x_heads=32, append="warps"),  # cfg13: the default since session 15
-                     replace(SWEEP[0], rows_x_heads=32, append="warps", warm_start=512)]  # cfg14
+                     replace(SWEEP[0], rows_x_heads=32, append="warps", warm_start=512),  # cfg14
+                     replace(SWEEP[0], rows_x_heads=32, append="warps", kth_search="interp")]  # cfg15: session 15
         if args.smoke:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
                      replace(default_config(H, kk, interpret=True), append="tile")]

@@ -3,7 +3,7 @@
 The skipped passes' outcome is known (every key in the shared bucket, none above it), so the result must be
 bit-identical to the search from the top. (1) A probe kernel runs _kth_key2 on crafted buffers (narrow and wide
 key ranges, all keys equal, keys across the sign, rows at or below k, holes, per-row k as in the warm start) with
-and without PREFIX and checks both against the contract (keys > kth, ties, rank); (2) whole HyTopK launches with
+and without the prefix (KTH=1) and checks both against the contract (keys > kth, ties, rank); (2) whole HyTopK launches with
 and without it give identical indices and scores (mask and warps appends, warm start, compactions, ties, negative
 scores, packed segments) and the reference's sets; a spy checks that the prefix path ran with shared bits.
 
@@ -31,12 +31,12 @@ I32_MIN = -(2**31)
 
 
 @triton.jit
-def _probe(key_ptr, cnt_ptr, kk_ptr, out_ptr, R: tl.constexpr, CAP: tl.constexpr, PREFIX: tl.constexpr):
+def _probe(key_ptr, cnt_ptr, kk_ptr, out_ptr, R: tl.constexpr, CAP: tl.constexpr, KTH: tl.constexpr):
     """_kth_key2 on int32 key buffers [R, CAP]: out [3, R] = kth, n_gt, rank."""
     o_r = tl.arange(0, R)
     cnt = tl.load(cnt_ptr + o_r)
     kk = tl.load(kk_ptr + o_r)
-    kth, n_gt, rank = _kernel._kth_key2(key_ptr + o_r * CAP, cnt, kk, R, CAP, False, PREFIX=PREFIX)
+    kth, n_gt, rank = _kernel._kth_key2(key_ptr + o_r * CAP, cnt, kk, R, CAP, False, KTH=KTH)
     tl.store(out_ptr + o_r, kth)
     tl.store(out_ptr + R + o_r, n_gt)
     tl.store(out_ptr + 2 * R + o_r, rank.to(tl.int32))
@@ -51,7 +51,7 @@ def _keys(scores):
 def _run_probe(keys, cnt, kk, prefix):
     R, CAP = keys.shape
     out = torch.full((3, R), 12345, dtype=torch.int32)
-    _probe[(1,)](keys.contiguous(), cnt, kk, out, R=R, CAP=CAP, PREFIX=prefix)
+    _probe[(1,)](keys.contiguous(), cnt, kk, out, R=R, CAP=CAP, KTH=int(prefix))
     return out
 
 
@@ -76,7 +76,7 @@ def _check_contract(keys, cnt, kk, out):
 @interp
 @pytest.mark.parametrize("case", ["narrow", "wide", "equal", "sign", "small_rows", "holes", "per_row_k"])
 def test_probe_prefix_matches_top_search(case):
-    """_kth_key2 with PREFIX equals the search from the top (kth, n_gt, rank) and meets its contract."""
+    """_kth_key2 with the prefix (KTH=1) equals the search from the top (kth, n_gt, rank) and meets its contract."""
     g = torch.Generator().manual_seed(hash(case) % 1000)
     R, CAP = 4, 64
     kk = torch.full((R,), 20, dtype=torch.int32)
@@ -109,7 +109,7 @@ def test_probe_prefix_matches_top_search(case):
     pre = _run_probe(keys, cnt, kk, True)
     assert (pre != 12345).all(), "unwritten probe output"
     open_rows = [r for r in range(R) if int(cnt[r]) > int(kk[r])]
-    assert torch.equal(pre[:, open_rows], top[:, open_rows]), f"PREFIX changed the result:\n{top}\n{pre}"
+    assert torch.equal(pre[:, open_rows], top[:, open_rows]), f"the prefix changed the result:\n{top}\n{pre}"
     _check_contract(keys, cnt, kk, pre)
 
 

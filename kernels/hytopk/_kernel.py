@@ -150,8 +150,10 @@ def _clz32(x):
 
 @triton.jit
 def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
-              WARPS: tl.constexpr = False, PREFIX: tl.constexpr = False):
+              WARPS: tl.constexpr = False, KTH: tl.constexpr = 0):
     """Radix select of each row's top kk buffered keys, two bits per pass (16 passes at most).
+    KTH (Config.kth_search / select_prefix): 0 the passes from the top, 1 from the shared prefix (below), 2 the
+    interpolation search (_kth_interp: the same contract, one count per pass).
 
     Two bits per pass from the top, in the biased (unsigned-order) domain: keep the largest prefix
     with at least kk keys >= it. Padding (INT32_MIN) never counts: every candidate bound is above
@@ -167,12 +169,14 @@ def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.con
     own counts: no extra counting pass. WARPS: cnt is the packed prefix, cnt_g the regions' counts; every slot
     is read (_slot_valid).
 
-    PREFIX (Config.select_prefix): the passes start below the leading bits that every searching row's smallest
+    KTH 1 (Config.select_prefix): the passes start below the leading bits that every searching row's smallest
     and largest key share (one min / max reduction; the fewest such bits over the rows, rounded down to a pass
     boundary). Every pass over such a shared bit pair would pick that pair's bucket with c_lo = all keys and
     c_hi = 0 and never stop there, so the state after the skipped passes is known: same result, fewer passes
     (a row's candidates all lie above its threshold, so their keys share the top 8-12 bits).
     """
+    if KTH == 2:
+        return _kth_interp(key_rows, cnt, kk, R, CAP, RAW, cnt_g, WARPS)
     o_all = tl.arange(0, CAP)  # [CAP]
     m_all = _slot_valid(o_all, cnt, WARPS)  # [R, CAP]
     cnt = _n_buffered(cnt, cnt_g, WARPS)
@@ -185,7 +189,7 @@ def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.con
     # the buffer read once into registers (a while loop would otherwise reload it from L2 every pass)
     b_keys = _load_keys(key_rows[:, None] + o_all[None, :], m_all, RAW)  # [R, CAP]
     i_b = 30
-    if PREFIX:
+    if KTH == 1:
         m_key = b_keys != INT32_MIN  # [R, CAP] real keys (not padding, holes or invisible samples)
         n_real = tl.sum(m_key.to(tl.int32), axis=1)  # [R]
         k_hi = tl.max(tl.where(m_key, b_keys, INT32_MIN), axis=1)  # [R]
@@ -227,6 +231,69 @@ def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.con
 
 
 @triton.jit
+def _kth_interp(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
+                WARPS: tl.constexpr = False):
+    """Config.kth_search="interp": _kth_key2's contract (kth, n_gt, rank) by a bracketed interpolation search.
+
+    f(x) = #keys >= x falls as x grows. Each searching row keeps lo < hi with f(lo) > kk > f(hi) (to start: its
+    smallest real key and its largest + 1) and counts f at one point between them per pass: where the line
+    through (lo, f(lo)) and (hi, f(hi)) crosses kk (the int32 keys of fp32 scores are linear in the score within
+    an exponent, and a row's candidates, all above its threshold, span few exponents), with the Illinois rule (an
+    end kept twice in a row has its count moved halfway to kk, so regula falsi does not stall on one side), or
+    the midpoint when the last step cut less than 1/16 of the bracket (so at most ~64 passes whatever the
+    distribution; ~8 on simulated 64K candidate sets vs ~11 radix passes of 3 counts each). f(x) == kk
+    ends the row: its top kk are its keys >= x (kth = x - 1, n_gt = kk, as the radix's early stop); hi == lo + 1
+    ends it at the exact kk-th key lo (kth = lo, n_gt = f(hi), more keys equal to lo than fit: rank). One count
+    per pass instead of the radix's three for two bits. Rows with no more than kk real keys but more than kk
+    buffered slots (invisible warm samples) get kth INT32_MIN, n_gt = their real keys, rank, as from the radix."""
+    o_all = tl.arange(0, CAP)  # [CAP]
+    m_all = _slot_valid(o_all, cnt, WARPS)  # [R, CAP]
+    n_buf = _n_buffered(cnt, cnt_g, WARPS)  # [R]
+    b_keys = _load_keys(key_rows[:, None] + o_all[None, :], m_all, RAW)  # [R, CAP] (INT32_MIN: no key)
+    m_key = b_keys != INT32_MIN
+    n_real = tl.sum(m_key.to(tl.int32), axis=1)  # [R]
+    lo = tl.min(tl.where(m_key, b_keys, INT32_MAX), axis=1).to(tl.int64)  # [R] f(lo) = n_real
+    hi = tl.max(tl.where(m_key, b_keys, INT32_MIN), axis=1).to(tl.int64) + 1  # [R] f(hi) = 0
+    f_lo = n_real
+    f_hi = tl.zeros_like(n_real)
+    g_lo = f_lo.to(tl.float32)  # [R] the ends' counts as the interpolation uses them (Illinois)
+    g_hi = f_hi.to(tl.float32)
+    side = tl.zeros_like(n_real)  # [R] the end the last pass moved: 1 lo, -1 hi
+    search = (n_buf > kk) & (n_real >= kk)
+    found = search & (n_real == kk)  # every real key is in the top kk: x = the smallest
+    x_hit = lo
+    live = search & ~found & (hi - lo > 1)  # [R] rows still searching
+    w_prev = (hi - lo) * 4  # the first step interpolates
+    n_live = tl.sum(live.to(tl.int32), axis=0)
+    while n_live > 0:
+        width = hi - lo  # [R] int64, >= 2 on live rows
+        t = (g_lo - kk) / tl.maximum(g_lo - g_hi, 1e-6)  # (0, 1) on live rows
+        step = (width.to(tl.float32) * t).to(tl.int64)
+        step = tl.where(16 * width > 15 * w_prev, width // 2, step)  # the last step cut < 1/16: bisect
+        x = lo + tl.minimum(tl.maximum(step, 1), width - 1)  # [R] strictly inside (lo, hi)
+        c = tl.sum((b_keys >= x.to(tl.int32)[:, None]).to(tl.int32), axis=1)  # [R] f(x)
+        hit = live & (c == kk)
+        up = live & (c > kk)
+        dn = live & (c < kk)
+        x_hit = tl.where(hit, x, x_hit)
+        found = found | hit
+        w_prev = tl.where(live, width, w_prev)
+        lo = tl.where(up, x, lo)
+        f_lo = tl.where(up, c, f_lo)
+        hi = tl.where(dn, x, hi)
+        f_hi = tl.where(dn, c, f_hi)
+        g_hi = tl.where(up, tl.where(side == 1, (g_hi + kk) * 0.5, g_hi), tl.where(dn, c.to(tl.float32), g_hi))
+        g_lo = tl.where(dn, tl.where(side == -1, (g_lo + kk) * 0.5, g_lo), tl.where(up, c.to(tl.float32), g_lo))
+        side = tl.where(up, 1, tl.where(dn, -1, side))
+        live = live & ~hit & (hi - lo > 1)
+        n_live = tl.sum(live.to(tl.int32), axis=0)
+    edge = search & ~found  # hi == lo + 1: lo is the exact kk-th key, f(lo) > kk
+    kth = tl.where(found, x_hit - 1, tl.where(edge, lo, INT32_MIN)).to(tl.int32)
+    n_gt = tl.where(found, kk, tl.where(edge, f_hi, n_real))
+    return kth, n_gt, (n_buf > kk) & ~found
+
+
+@triton.jit
 def _tie_index_bound(key_rows, idx_rows, kth, n_eq, m_r, R: tl.constexpr, CAP: tl.constexpr,
                      CHUNK: tl.constexpr, RAW: tl.constexpr):
     """append="warps": rows m_r keep n_eq of their buffered keys equal to kth, the lowest key indices (the tie
@@ -252,7 +319,7 @@ def _tie_index_bound(key_rows, idx_rows, kth, n_eq, m_r, R: tl.constexpr, CAP: t
 def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                   FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr,
                   CHUNK: tl.constexpr, SEARCH2: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
-                  WARPS: tl.constexpr = False, PREFIX: tl.constexpr = False):
+                  WARPS: tl.constexpr = False, KTH: tl.constexpr = 0):
     """Keep each row's exact top-kk of its buffer (all of it where cnt <= kk), stably.
 
     key_rows/idx_rows: [R] pointers to the rows' buffers. dst_*: [R] row pointers of the
@@ -272,7 +339,7 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     x_tie = tl.full([R], INT32_MAX, dtype=tl.int32)  # WARPS: keys equal to kth are kept up to this key index
     if tl.max(n_tot, axis=0) > kk:
         if SEARCH2:
-            kth_2, n_gt, rank = _kth_key2(key_rows, cnt, kk, R, CAP, RAW, cnt_g, WARPS, PREFIX)
+            kth_2, n_gt, rank = _kth_key2(key_rows, cnt, kk, R, CAP, RAW, cnt_g, WARPS, KTH)
             kth = tl.where(need, kth_2, INT32_MIN)
             n_rank = tl.sum((need & rank).to(tl.int32), axis=0)
         else:
@@ -549,7 +616,7 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
                     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
                     WARM: tl.constexpr, CHUNK_W: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr,
                     RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr, LANE_ROWS: tl.constexpr,
-                    RAW: tl.constexpr = False, PREFIX: tl.constexpr = False):
+                    RAW: tl.constexpr = False, KTH: tl.constexpr = 0):
     """Each row's starting threshold key tau [R] (INT32_MIN: no warm start for that row).
 
     Only run when some row sees more than CAP keys (fewer never compact), so hi - lo > CAP >=
@@ -586,7 +653,7 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
     j = tl.where(on, j, 1)
     n_smp = tl.full([R], WARM, dtype=tl.int32)
     if SEARCH2:
-        tau, _, _ = _kth_key2(key_rows, n_smp, j, R, WARM, RAW, PREFIX=PREFIX)
+        tau, _, _ = _kth_key2(key_rows, n_smp, j, R, WARM, RAW, KTH=KTH)
     else:
         o_hw = tl.arange(0, CHUNK_W)
         tau = _kth_key(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W, RAW)
@@ -622,7 +689,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
               APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False,
-              RAW: tl.constexpr = False, PREFIX: tl.constexpr = False, ABLATE: tl.constexpr = 0):
+              RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0):
     """The row block's key loop (all its tiles, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask), 2 "warps" (_key_warps: the key groups'
@@ -642,7 +709,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                 if free < MIN_FREE // KEY_GROUPS:
                     tl.debug_barrier()  # appends of earlier tiles visible to all threads
                     kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP,
-                                        CHUNK, SEARCH2, RAW, cnt_g, True, PREFIX)
+                                        CHUNK, SEARCH2, RAW, cnt_g, True, KTH)
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(_n_buffered(cnt, cnt_g, True), kk)
                     cnt_g = cnt_g * 0
@@ -654,7 +721,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                 if CAP - tl.max(cnt, axis=0) < MIN_FREE:
                     tl.debug_barrier()  # appends of earlier tiles visible to all threads
                     kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
-                                        False, False, R, CAP, CHUNK, SEARCH2, RAW, PREFIX=PREFIX)
+                                        False, False, R, CAP, CHUNK, SEARCH2, RAW, KTH=KTH)
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(cnt, kk)
                 n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
@@ -696,7 +763,7 @@ def hytopk_kernel(
     WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
     WARM: tl.constexpr = 0, CHUNK_W: tl.constexpr = 1, WARM_Z: tl.constexpr = 4.0, WARM_MIN: tl.constexpr = 16,
     APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False, LAZY_MAX: tl.constexpr = False,
-    RAW: tl.constexpr = False, PREFIX: tl.constexpr = False, ABLATE: tl.constexpr = 0,
+    RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0,
 ):
     """ABLATE (bench/topk.py --parts ablate only, via op.hytopk_ablation; the output is not a valid selection): 1 skips
     the final select and its output writes, 2 lets no key become a candidate in the key loop (no appends, hence no
@@ -746,7 +813,7 @@ def hytopk_kernel(
             if tl.max(tl.where(m_live, b_end - b_start, 0), axis=0) > CAP:
                 thr = _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n,
                                       o_d, m_d, H, D, R, BLOCK_N, CAP, WARM, CHUNK_W, WARM_Z, WARM_MIN,
-                                      RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS, RAW=RAW, PREFIX=PREFIX)
+                                      RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH)
             if APPEND == 2:  # append="warps": every slot a hole (RAW_NONE) before the regions fill (after the
                 _fill_none(key_rows, cnt, R, CAP, CHUNK)  # warm sample's select read its slots)
                 tl.debug_barrier()
@@ -759,7 +826,7 @@ def hytopk_kernel(
                 cnt, cnt_g, reg0, F, thr, b_max = _key_loop(
                     n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                     idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
-                    WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, PREFIX=PREFIX, ABLATE=ABLATE)
+                    WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH, ABLATE=ABLATE)
                 # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
                 # keep their buffers and append nothing more (no key is > INT32_MAX)
                 fail = on & (_n_buffered(cnt, cnt_g, APPEND == 2) < kk)  # [R]; all False after the first pass
@@ -787,7 +854,7 @@ def hytopk_kernel(
             cnt, cnt_g, reg0, F, thr, b_max = _key_loop(
                 n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                 idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
-                WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, PREFIX=PREFIX,
+                WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, KTH=KTH,
                 ABLATE=ABLATE)
 
         if SELECT and (ABLATE % 2 == 1):
@@ -796,7 +863,7 @@ def hytopk_kernel(
             tl.debug_barrier()
             o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
             _select_store(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
-                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW, cnt_g, APPEND == 2, PREFIX)
+                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW, cnt_g, APPEND == 2, KTH)
             # -1 / -inf padding after the kept entries
             n_keep = tl.minimum(_n_buffered(cnt, cnt_g, APPEND == 2), kk)  # [R]
             o_h = tl.arange(0, CHUNK)

@@ -19,6 +19,7 @@ _IMPLS = ("auto", "triton", "reference")
 _logged_reference = False
 WARM_Z = 4.0  # warm start: sampled quantile this many binomial standard deviations above the k boundary
 WARM_MIN = 16  # warm start: fewest visible sample keys a row needs to use it
+KTH_SEARCHES = ("radix", "interp")  # Config.kth_search values
 APPENDS = ("tile", "mask", "warps")  # Config.append values (kernel constexpr APPEND = index)
 KEY_GROUPS = 4  # append="warps": key groups per tile (kernel constant KEY_GROUPS: one warpgroup's 4 warps)
 HEAD_SUMS = ("pairs", "chains")  # Config.head_sum values (kernel constexpr LANE_ROWS = 1 + index; 0: lane_rows off)
@@ -94,6 +95,13 @@ class Config:
     # threshold, so they share the sign, the exponent and some mantissa bits: the passes those bits would take
     # are skipped (their outcome is known). Output bit-identical (tests/test_hytopk_prefix.py).
     select_prefix: bool = False
+    # search_bits=2: how each select finds a row's k-th buffered key. "radix": 2-bit passes from the top, 3 counts
+    # of the row's buffer per pass, stopping early (with select_prefix: from the shared leading bits). "interp": a
+    # bracketed interpolation search, one count per pass (_kth_interp), bisecting when a step did not halve the
+    # bracket. Same index sets; the thresholds a compaction leaves may differ (both are exact bounds at or below
+    # the k-th key), so with append="warps" the order within a row may too. The final select was 2.0 ms of 68.2 at
+    # 64K H64 and 2.4 of 42.6 at H32 (H100, session 15, bench/topk.py --parts ablate).
+    kth_search: str = "radix"
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -113,7 +121,21 @@ def check_config(cfg: Config, interpret: bool) -> None:
               f"search_bits={cfg.search_bits}, raw_keys={cfg.raw_keys}; set append='mask' (or 'tile') to use them")
     check(not cfg.select_prefix or cfg.search_bits == 2,
           f"hytopk: Config.select_prefix needs search_bits=2 (the 2-bit select), got search_bits={cfg.search_bits}")
+    check(cfg.kth_search in KTH_SEARCHES,
+          f"hytopk: Config.kth_search must be one of {KTH_SEARCHES}, got {cfg.kth_search!r}")
+    check(cfg.kth_search == "radix" or (cfg.search_bits == 2 and not cfg.select_prefix),
+          f"hytopk: Config.kth_search={cfg.kth_search!r} needs search_bits=2 and select_prefix=False (the prefix is a "
+          f"radix-pass shortcut), got search_bits={cfg.search_bits}, select_prefix={cfg.select_prefix}")
     check(cfg.head_sum in HEAD_SUMS, f"hytopk: Config.head_sum must be one of {HEAD_SUMS}, got {cfg.head_sum!r}")
+
+
+def _kth_mode(cfg: Config, select: bool) -> int:
+    """The kernel's KTH constexpr: 0 radix passes from the top, 1 from the shared prefix, 2 interpolation."""
+    if not select or cfg.search_bits != 2:
+        return 0
+    if cfg.kth_search == "interp":
+        return 2
+    return int(bool(cfg.select_prefix))
 
 
 def _pow2_ceil(x: int) -> int:
@@ -181,7 +203,7 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 LANE_ROWS=(1 + HEAD_SUMS.index(cfg.head_sum)) if lane_rows(cfg, R, H) else 0,
                 LAZY_MAX=bool(lazy_max) and not select,
                 RAW=bool(cfg.raw_keys) and bool(select) and cfg.append in ("mask", "warps"),
-                PREFIX=bool(cfg.select_prefix) and bool(select) and cfg.search_bits == 2, ABLATE=int(ablate))
+                KTH=_kth_mode(cfg, select), ABLATE=int(ablate))
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):

@@ -1,0 +1,178 @@
+"""HyTopK's Config.kth_search="interp": each select finds a row's k-th buffered key by a bracketed interpolation
+search (one count per pass) instead of 2-bit radix passes (three counts per pass).
+
+(1) The probe kernel of tests/test_hytopk_prefix.py runs _kth_key2 with KTH=2 on crafted buffers (narrow and wide
+ranges, all keys equal, both signs, rows at or below k, holes, per-row k, heavy ties at the k-th key, skewed
+tails): the result meets the select's contract (keys > kth, ties, rank), and where the radix's answer is the exact
+k-th key (no early stop) it is the same. (2) Whole launches: the default's index sets and scores (rows compared
+sorted by key index: the warps append's order follows the compaction thresholds, which may differ), the
+reference's sets, both appends, warm start, compactions, ties, negative scores, packed segments; a spy checks
+that the interpolation path ran. (3) Bad configs are refused.
+
+CPU: the interpreter at tiny fp32 shapes (tests/conftest.py sets TRITON_INTERPRET=1 when there is no CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyscale_kernels.hytopk import _kernel, hytopk, interpreter_active, op
+from hyscale_kernels.hytopk.op import default_config
+from hyscale_kernels.hytopk.reference import causal_bounds
+from interp_rerun import rerun_under_interpreter
+from test_hytopk import _zero_ties
+from test_hytopk_prefix import I32_MIN, _check_contract, _keys, _run_probe
+from test_hytopk_warmstart import _assert_reference_sets, _inputs
+from test_hytopk_warps import by_index, gpu_causal_inputs, packed_rows_case
+
+INTERP = interpreter_active()
+interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
+
+
+@pytest.fixture
+def interp_calls(monkeypatch):
+    """Calls of the kernel's _kth_interp (the interpreter looks jit functions up in the module at call time)."""
+    calls = []
+    inner = _kernel._kth_interp
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(_kernel, "_kth_interp", spy)
+    return calls
+
+
+CASES = ["narrow", "wide", "equal", "sign", "small_rows", "holes", "per_row_k", "ties_at_k", "skewed"]
+
+
+@interp
+@pytest.mark.parametrize("case", CASES)
+def test_probe_interp_contract(case, interp_calls):
+    g = torch.Generator().manual_seed(hash(case) % 1000)
+    R, CAP = 4, 64
+    kk = torch.full((R,), 20, dtype=torch.int32)
+    cnt = torch.full((R,), CAP, dtype=torch.int32)
+    if case == "narrow":
+        s = 3.0 + 0.01 * torch.rand(R, CAP, generator=g)
+    elif case == "wide":
+        s = torch.randn(R, CAP, generator=g) * torch.tensor([1.0, 100.0, 1e-3, 1e6])[:, None]
+    elif case == "equal":  # all keys equal: the bracket closes on them (rank)
+        s = torch.full((R, CAP), 1.5)
+        s[1] = torch.rand(CAP, generator=g)
+    elif case == "sign":
+        s = torch.randn(R, CAP, generator=g) * 1e-3
+        s[2] = -2.0 - torch.rand(CAP, generator=g)
+    elif case == "small_rows":
+        s = 5.0 + torch.rand(R, CAP, generator=g)
+        cnt = torch.tensor([CAP, 20, 7, 0], dtype=torch.int32)
+    elif case == "holes":
+        s = 2.0 + torch.rand(R, CAP, generator=g)
+    elif case == "per_row_k":
+        s = 7.0 + torch.rand(R, CAP, generator=g)
+        kk = torch.tensor([3, 40, 1, 63], dtype=torch.int32)
+    elif case == "ties_at_k":  # many keys equal to the k-th: f jumps over k, the search must end on the tie
+        s = torch.rand(R, CAP, generator=g)
+        s[:, 10:40] = 0.25  # ranks 10..39 (below 10 larger keys at most) straddle k = 20
+        s[:, :10] = 0.5 + torch.rand(R, 10, generator=g)
+        s[3] = 0.0  # ReLU zeros: every key tied
+    else:  # "skewed": one huge outlier stretches the bracket (interpolation alone would crawl: bisection)
+        s = 1.0 + torch.rand(R, CAP, generator=g)
+        s[:, 0] = 1e30
+        s[1, 1] = -1e30
+    keys = _keys(s.float())
+    if case == "holes":
+        keys[:, ::3] = I32_MIN
+        keys[3, 10:] = I32_MIN
+    if case == "per_row_k":
+        keys[3, 30:] = I32_MIN
+    radix = _run_probe(keys, cnt, kk, 0)
+    interp_calls.clear()
+    got = _run_probe(keys, cnt, kk, 2)
+    assert interp_calls, "the interpolation path did not run"
+    assert (got != 12345).all(), "unwritten probe output"
+    _check_contract(keys, cnt, kk, got)
+    for r in range(R):
+        if int(cnt[r]) > int(kk[r]) and bool(radix[2, r]):  # both ended on the exact k-th key (a tie split)
+            assert torch.equal(got[:, r], radix[:, r]), f"row {r}: {got[:, r]} vs radix {radix[:, r]}"
+
+
+def _interp_cfg(H, topk, **kw):
+    return op.replace(default_config(H, topk, interpret=True), **kw)
+
+
+def _same_sets(q, w, k, st, en, topk, relu, cfg, interp_calls):
+    """kth_search="interp" gives cfg's sets and scores (rows sorted by key index), deterministically, and the
+    reference's sets."""
+    base_i, base_v = by_index(*hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=cfg))
+    interp_calls.clear()
+    var = op.replace(cfg, kth_search="interp")
+    got_i, got_v = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=var)
+    assert interp_calls, "the interpolation path did not run"
+    assert not torch.isnan(got_v).any(), "unwritten output scores"
+    again = hytopk(q, w, k, st, en, topk, relu=relu, config=var)
+    assert torch.equal(again, got_i), "two runs differ (order included)"
+    s_i, s_v = by_index(got_i, got_v)
+    assert torch.equal(s_i, base_i), "index sets differ with kth_search='interp'"
+    assert torch.equal(s_v, base_v), "scores differ with kth_search='interp'"
+    if cfg.append == "mask":  # ascending rows: the output itself is identical
+        assert torch.equal(got_i, base_i)
+    _assert_reference_sets(got_i, q, w, k, st, en, topk, relu)
+
+
+@interp
+@pytest.mark.parametrize("append", ["mask", "warps"])
+@pytest.mark.parametrize("T,S,H,topk,relu,warm", [(9, 150, 2, 8, True, 64), (7, 140, 2, 12, False, 64),
+                                                  (11, 60, 4, 5, False, 0)])
+def test_interp_same_sets(T, S, H, topk, relu, warm, append, interp_calls):
+    """CP offset, T / S not tile multiples, warm start (its sample select too), compactions in the key loop,
+    identity activation with signed weights (negative scores)."""
+    q, w, k = _inputs(T, S, H, seed=T + S)
+    st, en = causal_bounds(T, S, offset=S - T)
+    _same_sets(q, w, k, st, en, topk, relu, _interp_cfg(H, topk, warm_start=warm, append=append), interp_calls)
+
+
+@interp
+@pytest.mark.parametrize("append", ["mask", "warps"])
+def test_interp_ties_and_packed(append, interp_calls):
+    """ReLU exact zeros tied at the k-th score (ranking), packed segments with short and fully masked rows."""
+    T, S, H, D, topk = 6, 130, 2, 16, 8
+    q, w, k = _zero_ties(*_inputs(T, S, H, D=D, seed=5, w_sign=False), every=29)
+    st, en = causal_bounds(T, S, offset=S - T)
+    _same_sets(q, w, k, st, en, topk, True, _interp_cfg(H, topk, warm_start=64, append=append), interp_calls)
+    _same_sets(*packed_rows_case(), 8, True, _interp_cfg(2, 8, warm_start=64, append=append), interp_calls)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="kth_search must be one of"):
+        op.check_config(op.Config(kth_search="bisect"), False)
+    with pytest.raises(ValueError, match="needs search_bits=2 and select_prefix=False"):
+        op.check_config(op.Config(kth_search="interp", select_prefix=True), False)
+    with pytest.raises(ValueError, match="needs search_bits=2 and select_prefix=False"):
+        op.check_config(op.Config(kth_search="interp", search_bits=1, append="mask"), False)
+    op.check_config(op.Config(kth_search="interp"), False)
+    assert op._kth_mode(op.Config(kth_search="interp"), True) == 2
+    assert op._kth_mode(op.Config(select_prefix=True), True) == 1 and op._kth_mode(op.Config(), True) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T,H,relu,append", [(12288, 64, True, "warps"), (8192, 32, False, "warps"),
+                                             (8192, 64, True, "mask")])
+def test_gpu_interp_same_sets(T, H, relu, append):
+    """bf16 at real shapes (k 2048, warm start, compactions): the radix select's sets and scores, twice."""
+    q, w, k, st, en = gpu_causal_inputs(T, H)
+    cfg = op.replace(default_config(H, 2048), append=append)
+    bi, bv = by_index(*hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=cfg))
+    var = op.replace(cfg, kth_search="interp")
+    gi, gv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=var)
+    assert torch.equal(hytopk(q, w, k, st, en, 2048, relu=relu, config=var), gi), "two runs differ"
+    si, sv = by_index(gi, gv)
+    assert torch.equal(si, bi), f"index sets differ in {int((si != bi).any(1).sum())} rows"
+    assert torch.equal(sv, bv), "scores differ"
+
+
+def test_interpreter_in_subprocess():
+    """Triton imported here without the interpreter: run this file's kernel tests in a fresh process."""
+    rerun_under_interpreter(__file__)
