@@ -364,9 +364,10 @@ def variant_cfgs(base):
     """Exact variants the check compares to the default (rows sorted by key index): warm start off / 512 (the
     default before session 10), the "mask" append (the default until session 15), the prefix-sum append and the
     1-bit select (the defaults before session 6), the select starting below the shared leading bits."""
+    rdx = replace(base, kth_search="radix")  # default_config: "interp" from topk 1024 (session 15)
     return [replace(base, warm_start=0), replace(base, warm_start=512), replace(base, append="mask"),
-            replace(base, append="tile"), replace(base, append="mask", search_bits=1),
-            replace(base, select_prefix=True), replace(base, append="mask", select_prefix=True)]
+            replace(base, append="tile"), replace(rdx, append="mask", search_bits=1), rdx,
+            replace(rdx, select_prefix=True), replace(rdx, append="mask", select_prefix=True)]
 
 
 WARM_CHECK_SPECS = (0, 1, 2, 4)  # causal relu, identity w+-, packed, QSA H4
@@ -397,7 +398,7 @@ def check_warm(name, q, w, k, st, en, kk, relu):
         same = (i1 == ref_i) & (i1 >= 0)
         max_rel = float(((v1 - ref_v).abs() / ref_v.abs().clamp_min(1e-30))[same].max()) if same.any() else 0.0
         res = dict(check=f"{name} warm_start={cfg.warm_start} search_bits={cfg.search_bits} append={cfg.append}"
-                         f" prefix={int(cfg.select_prefix)}",
+                         f" prefix={int(cfg.select_prefix)} kth={cfg.kth_search}",
                    equal_to_default=bool(torch.equal(i1, ref_i) and torch.equal(v1, ref_v)),
                    rows_idx_differ=int(idx_rows.sum()), rows_scores_differ=int(val_rows.sum()),
                    same_slot_score_max_rel=max_rel,

@@ -154,6 +154,9 @@ def test_config_errors():
     op.check_config(op.Config(kth_search="interp"), False)
     assert op._kth_mode(op.Config(kth_search="interp"), True) == 2
     assert op._kth_mode(op.Config(select_prefix=True), True) == 1 and op._kth_mode(op.Config(), True) == 0
+    # the default launch: interpolation from topk 1024 (measured faster at k 2048, slower at k 512)
+    assert default_config(64, 2048).kth_search == "interp" and default_config(32, 1024).kth_search == "interp"
+    assert default_config(4, 512).kth_search == "radix" and default_config(8, 2048, interpret=True).kth_search == "radix"
 
 
 @pytest.mark.gpu

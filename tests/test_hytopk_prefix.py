@@ -185,7 +185,7 @@ def test_config_error():
 def test_gpu_prefix_bit_identical(T, H, relu, append):
     """bf16 at real shapes (k 2048, warm start, compactions): identical indices and scores with select_prefix."""
     q, w, k, st, en = gpu_causal_inputs(T, H)
-    cfg = op.replace(default_config(H, 2048), append=append)
+    cfg = op.replace(default_config(H, 2048), append=append, kth_search="radix")  # the prefix: a radix shortcut
     bi, bv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=cfg)
     pi, pv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, select_prefix=True))
     assert torch.equal(pi, bi), f"indices differ in {int((pi != bi).any(1).sum())} rows"

@@ -100,7 +100,9 @@ class Config:
     # bracketed interpolation search, one count per pass (_kth_interp), bisecting when a step did not halve the
     # bracket. Same index sets; the thresholds a compaction leaves may differ (both are exact bounds at or below
     # the k-th key), so with append="warps" the order within a row may too. The final select was 2.0 ms of 68.2 at
-    # 64K H64 and 2.4 of 42.6 at H32 (H100, session 15, bench/topk.py --parts ablate).
+    # 64K H64 and 2.4 of 42.6 at H32 (H100, session 15, bench/topk.py --parts ablate). default_config picks
+    # "interp" from topk 1024 (H100, 64K causal: H 64 70.41 -> 69.51 ms, H 32 42.56 -> 41.77; topk 512 at H 4: 7.52
+    # -> 8.16, so "radix" there).
     kth_search: str = "radix"
 
 
@@ -145,15 +147,19 @@ def _pow2_ceil(x: int) -> int:
 def default_config(H: int, topk: int, interpret: bool = False) -> Config:
     """The launch shape for H index heads. rows_x_heads = 256 at H >= 64 (4 query rows per MMA tile); fewer
     heads keep a few rows per tile instead of 256 / H: the key loop's per-row selection state then fits in
-    registers. H200, 64K causal (session 7, ``bench/topk.py --parts sweep --sweep-heads 32,4``): H 32 with
+    registers; Config.kth_search "interp" from topk 1024. H200, 64K causal (session 7, ``bench/topk.py --parts sweep --sweep-heads 32,4``): H 32 with
     rows_x_heads 128 (and the default 3 stages) 68.3 ms vs 90.5 with 256 and 2 stages (which spills 86 LDL/STL per tile); H 4 (k 512,
     S/4 keys) with 32: 10.2 ms vs 32.4 with 256. H 8 / 16 follow the same rule (4 rows), not yet timed."""
     if interpret:
         return Config(block_n=16, rows_x_heads=2 * H, num_warps=1, num_stages=1, programs_per_sm=1,
                       min_free_tiles=1, sel_chunk=64)
+    # the interpolation k-th search from topk 1024 (CAP >= 2048 slots: the radix's 3 counts per pass cost most);
+    # H100, 64K causal, 7 interleaved rounds (session 15): H 64 70.41 -> 69.51 ms, H 32 42.56 -> 41.77; at topk 512
+    # (H 4 over S/4 keys, CAP 1024) it was slower: 7.52 -> 8.16
+    kth = "interp" if topk >= 1024 else "radix"
     if H >= 64:
-        return Config()
-    return Config(rows_x_heads=max(32, 4 * H))
+        return Config(kth_search=kth)
+    return Config(rows_x_heads=max(32, 4 * H), kth_search=kth)
 
 
 def warm_stats() -> dict | None:
