@@ -15,7 +15,10 @@ One persistent program owns ``R`` query rows at a time (a "row block") for the w
   counting pass over the buffer held in registers, rows stopping as soon as their top ``topk``
   are known; Config.search_bits=1: 32 one-bit passes) finds each full row's k-th key; the row
   keeps exactly ``topk`` entries (ties to the lowest index) and the threshold rises to it;
-* output: the same select writes the final ``topk`` (ascending key index, -1 padded).
+* output: the same select writes the final ``topk``, -1 padded: ascending key index with the "mask" / "tile"
+  appends; with "warps" (Config.append, the default since session 15: each key group of a tile appends to its own
+  region of the buffer) the buffer's order, deterministic, ties at the k-th key ranked by key index.
+  Config.kth_search picks how a select finds the k-th key: the 2-bit radix passes or an interpolation search.
 
 Optional warm start (``WARM`` > 0, Config.warm_start): before the key loop, ``WARM`` keys spread
 evenly over the row block's key range are scored with the same code and each row's threshold
