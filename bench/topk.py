@@ -488,6 +488,9 @@ SWEEP = [
     replace(_D, append="warps", warm_start=512, select_prefix=True),  # cfg30
     replace(_D, append="warps", kth_search="interp"),  # cfg31: session 15, the interpolation k-th search
     replace(_D, append="warps", kth_search="interp", warm_start=512),  # cfg32
+    replace(_D, append="warps", kth_search="interp", warm_sample="head"),  # cfg33: session 15, the first keys as the
+    # warm sample (no extra scored tiles); cfg31 = the session-15 default
+    replace(_D, append="warps", kth_search="interp", warm_sample="head", warm_start=2048),  # cfg34
 ]
 BEST = {}
 
@@ -549,7 +552,8 @@ if "sweep" in args.parts:
                      replace(SWEEP[0], rows_x_heads=128, select_prefix=True),  # cfg14: session 14
                      replace(SWEEP[0], rows_x_heads=128, append="warps", select_prefix=True),  # cfg15
                      replace(SWEEP[0], rows_x_heads=128, append="warps", warm_start=512, select_prefix=True),  # 16
-                     replace(SWEEP[0], rows_x_heads=128, append="warps", kth_search="interp")]  # cfg17: session 15
+                     replace(SWEEP[0], rows_x_heads=128, append="warps", kth_search="interp"),  # cfg17: session 15
+                     replace(SWEEP[0], rows_x_heads=128, append="warps", kth_search="interp", warm_sample="head")]  # 18
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],
@@ -561,7 +565,8 @@ if "sweep" in args.parts:
                      replace(SWEEP[0], rows_x_heads=32, raw_keys=False, head_sum="pairs"),  # cfg12: s. 11 default
                      replace(SWEEP[0], rows_x_heads=32, append="warps"),  # cfg13: the default since session 15
                      replace(SWEEP[0], rows_x_heads=32, append="warps", warm_start=512),  # cfg14
-                     replace(SWEEP[0], rows_x_heads=32, append="warps", kth_search="interp")]  # cfg15: session 15
+                     replace(SWEEP[0], rows_x_heads=32, append="warps", kth_search="interp"),  # cfg15: session 15
+                     replace(SWEEP[0], rows_x_heads=32, append="warps", warm_sample="head")]  # cfg16
         if args.smoke:
             sweep = [None, replace(default_config(H, kk, interpret=True), warm_start=0),
                      replace(default_config(H, kk, interpret=True), append="tile")]

@@ -322,12 +322,14 @@ def _tie_index_bound(key_rows, idx_rows, kth, n_eq, m_r, R: tl.constexpr, CAP: t
 def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                   FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr,
                   CHUNK: tl.constexpr, SEARCH2: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
-                  WARPS: tl.constexpr = False, KTH: tl.constexpr = 0):
-    """Keep each row's exact top-kk of its buffer (all of it where cnt <= kk), stably.
+                  WARPS: tl.constexpr = False, KTH: tl.constexpr = 0, FILTER: tl.constexpr = False, thr_keep=None):
+    """Keep each row's exact top-kk of its buffer (all of it where cnt <= kk), stably. Returns (kth, kept [R]).
 
     key_rows/idx_rows: [R] pointers to the rows' buffers. dst_*: [R] row pointers of the
     destination: the buffer itself when compacting in place, the output rows when FINAL (keys
-    become fp32 scores there). Returns the kk-th key [R] (INT32_MIN where nothing was dropped).
+    become fp32 scores there). kth: the kk-th key [R] (INT32_MIN where nothing was dropped); kept: entries kept.
+    FILTER (Config.warm_sample="head"; not FINAL): no search: keep the keys > thr_keep [R] (every key where
+    thr_keep is INT32_MIN), ties included, and return thr_keep as kth.
     WARPS (append="warps", SEARCH2, RAW only): the buffer is the packed prefix [0, cnt) plus the key groups'
     regions (cnt_g [KEY_GROUPS, R] keys in each), every other slot RAW_NONE; buffer order is then not key-index
     order, so the keys equal to the kk-th that fit are the ones with the lowest key indices (_tie_index_bound).
@@ -340,7 +342,11 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     n_eq = tl.full([R], CAP, dtype=tl.int32)  # keys equal to kth still to keep
     n_rank = 0  # SEARCH2: rows whose keys equal to kth must be ranked (more of them than fit)
     x_tie = tl.full([R], INT32_MAX, dtype=tl.int32)  # WARPS: keys equal to kth are kept up to this key index
-    if tl.max(n_tot, axis=0) > kk:
+    if FILTER:
+        kth = thr_keep
+        need = thr_keep > INT32_MIN
+        n_eq = tl.where(need, 0, CAP)  # no key equal to thr_keep is kept (keys > thr_keep only)
+    elif tl.max(n_tot, axis=0) > kk:
         if SEARCH2:
             kth_2, n_gt, rank = _kth_key2(key_rows, cnt, kk, R, CAP, RAW, cnt_g, WARPS, KTH)
             kth = tl.where(need, kth_2, INT32_MIN)
@@ -398,7 +404,7 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
         tl.debug_barrier()
         _fill_none(key_rows, base, R, CAP, CHUNK)
     tl.debug_barrier()  # compacted buffer visible to every thread before the next appends
-    return kth
+    return kth, base
 
 
 @triton.jit
@@ -615,6 +621,45 @@ def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n,
 
 
 @triton.jit
+def _warm_rank(n_vis, m_smp, kk, CAP: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr):
+    """The sample rank j [R] whose key bounds the row's threshold, and the rows that use it [R] (see
+    _warm_threshold): n_vis visible keys, m_smp of them sampled."""
+    p0 = kk / tl.maximum(n_vis, 1).to(tl.float32)  # [R] fraction of the row's keys that is kept
+    mu = m_smp.to(tl.float32) * p0
+    j = (mu + WARM_Z * tl.sqrt(tl.maximum(mu * (1.0 - p0), 0.0))).to(tl.int32) + 1  # [R]
+    return j, (n_vis > CAP) & (m_smp >= WARM_MIN) & (2 * j <= m_smp)
+
+
+@triton.jit
+def _head_threshold(key_rows, idx_rows, cnt, cnt_g, kk, n_vis, m_t, R: tl.constexpr, CAP: tl.constexpr,
+                    CHUNK: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr, SEARCH2: tl.constexpr,
+                    RAW: tl.constexpr, WARPS: tl.constexpr, KTH: tl.constexpr):
+    """Config.warm_sample="head": the buffers hold every visible key of the row block's first tiles (appended from
+    -inf); each row's threshold tau is set from them as _warm_threshold sets it from its spread sample (the j-th
+    largest - 1, same rank rule), and the buffer is filtered to its keys > tau in place (stable; WARPS: packed).
+    The state is then exactly what the key loop would hold had it started at tau: every key > tau of those tiles, in
+    order; the key loop goes on from the next tile and the usual fallback (fewer than kk keys at the end: re-run from
+    -inf) keeps it exact. No extra scoring: the sample is the first tiles themselves (a contiguous sample, so
+    position-dependent scores move tau; the fallback guards exactness, not time).
+    Returns (tau [R], INT32_MIN where off; cnt; cnt_g; reg0; F) for the key loop."""
+    tl.debug_barrier()  # appends of the first tiles visible to every thread
+    m_smp = _n_buffered(cnt, cnt_g, WARPS)  # [R] visible keys of the first tiles (all appended)
+    j, on = _warm_rank(n_vis, m_smp, kk, CAP, WARM_Z, WARM_MIN)
+    j = tl.where(on, j, CAP)  # rows off: no search (at most CAP keys)
+    if SEARCH2:
+        kth, _, _ = _kth_key2(key_rows, cnt, j, R, CAP, RAW, cnt_g, WARPS, KTH)
+    else:
+        kth = _kth_key(key_rows, cnt, j, tl.arange(0, CHUNK), R, CAP, CHUNK, RAW)
+    tau = tl.where(on, kth - 1, INT32_MIN)  # keys tied with the j-th stay (as in _warm_threshold)
+    tl.debug_barrier()  # the search done reading before the filter rewrites the buffer
+    _, kept = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP, CHUNK,
+                            SEARCH2, RAW, cnt_g, WARPS, KTH, FILTER=True, thr_keep=tau)
+    cnt_g = cnt_g * 0
+    reg0 = tl.max(kept, axis=0)
+    return tau, kept, cnt_g, reg0, (CAP - reg0) // KEY_GROUPS
+
+
+@triton.jit
 def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n, o_d, m_d,
                     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
                     WARM: tl.constexpr, CHUNK_W: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr,
@@ -649,10 +694,7 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
         m_smp += _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
                               H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS=LANE_ROWS, RAW=RAW)
     tl.debug_barrier()  # sample keys visible to every thread
-    p0 = kk / tl.maximum(n_vis, 1).to(tl.float32)  # [R] fraction of the row's keys that is kept
-    mu = m_smp.to(tl.float32) * p0
-    j = (mu + WARM_Z * tl.sqrt(tl.maximum(mu * (1.0 - p0), 0.0))).to(tl.int32) + 1  # [R]
-    on = (n_vis > CAP) & (m_smp >= WARM_MIN) & (2 * j <= m_smp)
+    j, on = _warm_rank(n_vis, m_smp, kk, CAP, WARM_Z, WARM_MIN)
     j = tl.where(on, j, 1)
     n_smp = tl.full([R], WARM, dtype=tl.int32)
     if SEARCH2:
@@ -692,8 +734,8 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
               APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False,
-              RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0):
-    """The row block's key loop (all its tiles, ascending), compacting between segments.
+              RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, i_first=0):
+    """The row block's key loop (its tiles from i_first, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask), 2 "warps" (_key_warps: the key groups'
     regions of KEY_GROUPS x F slots from reg0, counts cnt_g; a compaction packs them into the prefix [0, cnt) and
@@ -701,7 +743,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
     bound. Returns (cnt, cnt_g, reg0, F, thr, b_max)."""
     WARPS: tl.constexpr = APPEND == 2
     NG: tl.constexpr = BLOCK_N // KEY_GROUPS
-    i_n = 0
+    i_n = i_first
     while i_n < n_tiles:
         # a segment of tiles that cannot overflow any row's buffer: the tile loop itself
         # stays free of branches and barriers, so it software-pipelines
@@ -711,7 +753,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                 free = F - tl.max(tl.max(cnt_g, axis=1), axis=0)
                 if free < MIN_FREE // KEY_GROUPS:
                     tl.debug_barrier()  # appends of earlier tiles visible to all threads
-                    kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP,
+                    kth, _ = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP,
                                         CHUNK, SEARCH2, RAW, cnt_g, True, KTH)
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(_n_buffered(cnt, cnt_g, True), kk)
@@ -723,7 +765,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
             else:
                 if CAP - tl.max(cnt, axis=0) < MIN_FREE:
                     tl.debug_barrier()  # appends of earlier tiles visible to all threads
-                    kth = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
+                    kth, _ = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
                                         False, False, R, CAP, CHUNK, SEARCH2, RAW, KTH=KTH)
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(cnt, kk)
@@ -766,7 +808,7 @@ def hytopk_kernel(
     WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
     WARM: tl.constexpr = 0, CHUNK_W: tl.constexpr = 1, WARM_Z: tl.constexpr = 4.0, WARM_MIN: tl.constexpr = 16,
     APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False, LAZY_MAX: tl.constexpr = False,
-    RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0,
+    RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, WARM_HEAD: tl.constexpr = False,
 ):
     """ABLATE (bench/topk.py --parts ablate only, via op.hytopk_ablation; the output is not a valid selection): 1 skips
     the final select and its output writes, 2 lets no key become a candidate in the key loop (no appends, hence no
@@ -813,13 +855,31 @@ def hytopk_kernel(
         else:
             b_max = tl.full([R], float("-inf"), dtype=tl.float32)
         if WARM > 0 and SELECT:
-            if tl.max(tl.where(m_live, b_end - b_start, 0), axis=0) > CAP:
-                thr = _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n,
-                                      o_d, m_d, H, D, R, BLOCK_N, CAP, WARM, CHUNK_W, WARM_Z, WARM_MIN,
-                                      RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH)
-            if APPEND == 2:  # append="warps": every slot a hole (RAW_NONE) before the regions fill (after the
-                _fill_none(key_rows, cnt, R, CAP, CHUNK)  # warm sample's select read its slots)
-                tl.debug_barrier()
+            i_first = n_tiles * 0  # the key loop's first tile (WARM_HEAD: after the sampled first tiles)
+            warm_on = tl.max(tl.where(m_live, b_end - b_start, 0), axis=0) > CAP
+            if WARM_HEAD:  # Config.warm_sample="head": the first tiles are the sample (_head_threshold)
+                if APPEND == 2:
+                    _fill_none(key_rows, cnt, R, CAP, CHUNK)
+                    tl.debug_barrier()
+                if warm_on:
+                    n_head = tl.minimum(n_tiles, WARM // BLOCK_N)  # WARM <= CAP: no compaction among them
+                    cnt, cnt_g, reg0, F, thr, b_max = _key_loop(
+                        n_head, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max,
+                        key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU,
+                        SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH,
+                        ABLATE=ABLATE)
+                    thr, cnt, cnt_g, reg0, F = _head_threshold(
+                        key_rows, idx_rows, cnt, cnt_g, kk, tl.where(m_live, b_end - b_start, 0), m_t, R, CAP, CHUNK,
+                        WARM_Z, WARM_MIN, SEARCH2, RAW, APPEND == 2, KTH)
+                    i_first = n_head
+            else:
+                if warm_on:
+                    thr = _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n,
+                                          o_d, m_d, H, D, R, BLOCK_N, CAP, WARM, CHUNK_W, WARM_Z, WARM_MIN,
+                                          RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH)
+                if APPEND == 2:  # append="warps": every slot a hole (RAW_NONE) before the regions fill (after
+                    _fill_none(key_rows, cnt, R, CAP, CHUNK)  # the warm sample's select read its slots)
+                    tl.debug_barrier()
             on = thr > INT32_MIN  # [R] rows started from a sampled threshold
             n_on = tl.sum(on.to(tl.int32), axis=0)
             n_fail = n_on * 0
@@ -829,7 +889,9 @@ def hytopk_kernel(
                 cnt, cnt_g, reg0, F, thr, b_max = _key_loop(
                     n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                     idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
-                    WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH, ABLATE=ABLATE)
+                    WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH, ABLATE=ABLATE,
+                    i_first=i_first)
+                i_first = i_first * 0  # a re-run starts from the first tile
                 # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
                 # keep their buffers and append nothing more (no key is > INT32_MAX)
                 fail = on & (_n_buffered(cnt, cnt_g, APPEND == 2) < kk)  # [R]; all False after the first pass

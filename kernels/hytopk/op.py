@@ -20,6 +20,7 @@ _logged_reference = False
 WARM_Z = 4.0  # warm start: sampled quantile this many binomial standard deviations above the k boundary
 WARM_MIN = 16  # warm start: fewest visible sample keys a row needs to use it
 KTH_SEARCHES = ("radix", "interp")  # Config.kth_search values
+WARM_SAMPLES = ("spread", "head")  # Config.warm_sample values
 APPENDS = ("tile", "mask", "warps")  # Config.append values (kernel constexpr APPEND = index)
 KEY_GROUPS = 4  # append="warps": key groups per tile (kernel constant KEY_GROUPS: one warpgroup's 4 warps)
 HEAD_SUMS = ("pairs", "chains")  # Config.head_sum values (kernel constexpr LANE_ROWS = 1 + index; 0: lane_rows off)
@@ -104,6 +105,12 @@ class Config:
     # "interp" from topk 1024 (H100, 64K causal: H 64 70.41 -> 69.51 ms, H 32 42.56 -> 41.77; topk 512 at H 4: 7.52
     # -> 8.16, so "radix" there).
     kth_search: str = "radix"
+    # the warm start's sample (warm_start > 0): "spread" scores warm_start keys spread evenly over the row block's
+    # key range before the key loop (16 extra tiles at 1024); "head" takes the block's first warm_start keys as
+    # the sample: the key loop appends them from -inf, each row's threshold comes from them by the same rank rule
+    # and the buffer is filtered to the keys above it (_head_threshold), so nothing is scored twice. Exact either way
+    # (the fallback re-run); a contiguous sample moves the threshold where scores depend on position.
+    warm_sample: str = "spread"
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -128,6 +135,8 @@ def check_config(cfg: Config, interpret: bool) -> None:
     check(cfg.kth_search == "radix" or (cfg.search_bits == 2 and not cfg.select_prefix),
           f"hytopk: Config.kth_search={cfg.kth_search!r} needs search_bits=2 and select_prefix=False (the prefix is a "
           f"radix-pass shortcut), got search_bits={cfg.search_bits}, select_prefix={cfg.select_prefix}")
+    check(cfg.warm_sample in WARM_SAMPLES,
+          f"hytopk: Config.warm_sample must be one of {WARM_SAMPLES}, got {cfg.warm_sample!r}")
     check(cfg.head_sum in HEAD_SUMS, f"hytopk: Config.head_sum must be one of {HEAD_SUMS}, got {cfg.head_sum!r}")
 
 
@@ -209,7 +218,8 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 LANE_ROWS=(1 + HEAD_SUMS.index(cfg.head_sum)) if lane_rows(cfg, R, H) else 0,
                 LAZY_MAX=bool(lazy_max) and not select,
                 RAW=bool(cfg.raw_keys) and bool(select) and cfg.append in ("mask", "warps"),
-                KTH=_kth_mode(cfg, select), ABLATE=int(ablate))
+                KTH=_kth_mode(cfg, select), ABLATE=int(ablate),
+                WARM_HEAD=bool(select) and warm > 0 and cfg.warm_sample == "head")
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):
