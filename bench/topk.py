@@ -73,6 +73,9 @@ p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, ti
 p.add_argument("--resources", action="store_true",
                help="no GPU needed: compile the sweep configs (H 64, D 128, k 2048, bf16) for sm_90a and print "
                     "smem / registers / spills / local-memory ops in the key loop, then exit")
+p.add_argument("--resource-variants", default=None,
+               help="with --resources: ';'-separated json Config overrides of the default to compile instead of the "
+                    "built-in list (the default and its lazy floor come first)")
 args = p.parse_args()
 if args.smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -151,6 +154,10 @@ if args.resources:  # the default launch (append warps, 2-bit select, warm start
     # 1-bit select, the floors
     _base = Config()
     _mask = replace(_base, append="mask")
+    if args.resource_variants:
+        resources([_base, ("floor lazy max", _base)]
+                  + [replace(_base, **json.loads(v)) for v in args.resource_variants.split(";") if v.strip()])
+        sys.exit(0)
     resources([_base, replace(_base, kth_search="interp"), _mask, replace(_mask, select_prefix=True),
                replace(_base, select_prefix=True), replace(_mask, raw_keys=False),
                replace(_base, head_sum="pairs"),
@@ -491,6 +498,8 @@ SWEEP = [
     replace(_D, append="warps", kth_search="interp", warm_sample="head"),  # cfg33: session 15, the first keys as the
     # warm sample (no extra scored tiles); cfg31 = the session-15 default
     replace(_D, append="warps", kth_search="interp", warm_sample="head", warm_start=2048),  # cfg34
+    replace(_D, append="warps", kth_search="interp", group_mask="ballot"),  # cfg35: session 16, ballot slots
+    replace(_D, append="warps", kth_search="interp", group_mask="ballot", warm_sample="head"),  # cfg36
 ]
 BEST = {}
 
@@ -553,7 +562,10 @@ if "sweep" in args.parts:
                      replace(SWEEP[0], rows_x_heads=128, append="warps", select_prefix=True),  # cfg15
                      replace(SWEEP[0], rows_x_heads=128, append="warps", warm_start=512, select_prefix=True),  # 16
                      replace(SWEEP[0], rows_x_heads=128, append="warps", kth_search="interp"),  # cfg17: session 15
-                     replace(SWEEP[0], rows_x_heads=128, append="warps", kth_search="interp", warm_sample="head")]  # 18
+                     replace(SWEEP[0], rows_x_heads=128, append="warps", kth_search="interp", warm_sample="head"),  # 18
+                     replace(SWEEP[0], rows_x_heads=128, append="warps", kth_search="interp", group_mask="ballot"),  # 19
+                     replace(SWEEP[0], rows_x_heads=128, append="warps", kth_search="interp", group_mask="ballot",
+                             warm_sample="head")]  # cfg20
         else:  # QSA-like H4: rows_x_heads 256 = 64 rows per tile spills 227 LDL/STL per tile (sm_90a); 64 / 32 rows
             # x heads: 39 / 2 (bench/NOTES_hytopk.md)
             sweep = [SWEEP[0], replace(SWEEP[0], rows_x_heads=64), replace(SWEEP[0], rows_x_heads=32), SWEEP[2],
@@ -625,7 +637,8 @@ if "ablate" in args.parts:
         parts = [("hytopk", lambda: hytopk(q, w, k, st, en, kk, check_bounds=False, config=base)),
                  ("warm_start 0", lambda: hytopk(q, w, k, st, en, kk, check_bounds=False,
                                                  config=replace(base, warm_start=0)))]
-        parts += [(ABLATIONS[a], (lambda a=a: hytopk_ablation(q, w, k, st, en, kk, a, config=base))) for a in (1, 2, 3)]
+        parts += [(ABLATIONS[a], (lambda a=a: hytopk_ablation(q, w, k, st, en, kk, a, config=base)))
+                  for a in (1, 2, 3, 6, 7)]
         parts += [("floor (lazy max)", lambda: hytopk_floor(q, w, k, st, en, config=base, topk=kk, lazy_max=True))]
         ms = {n: [] for n, _ in parts}
         for r in range(rounds):  # interleaved: drift hits every part alike

@@ -378,6 +378,10 @@ def test_ablation_entry_point():
     st, en = causal_bounds(T, S, offset=S - T)
     with pytest.raises(ValueError, match="ablate must be one of"):
         hytopk_ablation(q, w, k, st, en, topk, 0)
-    for mode in (1, 3):
+    for mode in (4, 5):  # "one segment" only with no candidates (else a region could overflow)
+        with pytest.raises(ValueError, match="ablate must be one of"):
+            hytopk_ablation(q, w, k, st, en, topk, mode)
+    for mode in (1, 3, 7):
         assert hytopk_ablation(q, w, k, st, en, topk, mode).shape == (T, topk)
-    assert (hytopk_ablation(q, w, k, st, en, topk, 2) == -1).all()
+    for mode in (2, 6):
+        assert (hytopk_ablation(q, w, k, st, en, topk, mode) == -1).all()

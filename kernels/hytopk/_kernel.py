@@ -567,10 +567,57 @@ def _popc32(x, HW: tl.constexpr):
         return ((v * 0x01010101) >> 24).to(tl.int32)
 
 
+# append="warps", group_mask="ballot": the sm_90a layout of the [KEY_GROUPS, NG, R] candidate tile that the ballot's
+# lane arithmetic assumes (op._check_ballot_layout compares the compiled TTGIR against it): register bit -> key + 8,
+# lane bits -> row + 1, row + 2, key + 1, key + 2, key + 4, warp bits -> group + 1, group + 2.
+BALLOT_LAYOUT = ("register = [[0, 8, 0]], lane = [[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]], "
+                 "warp = [[1, 0, 0], [2, 0, 0]]")
+_BALLOT_ASM = tl.constexpr(
+    # $0 $1: slot offsets of the thread's keys j, j + 8 (earlier candidates of its (group, row)); $2 $3: the group's
+    # candidates in that row; $4 $5: the keys' candidate flags. Lane l holds row l % 4, keys l // 4 and l // 4 + 8.
+    "{ .reg .pred p0, p1; .reg .b32 ln, rm, lt, b0, b1, c0; "
+    "setp.ne.b32 p0, $4, 0; setp.ne.b32 p1, $5, 0; "
+    "vote.sync.ballot.b32 b0, p0, 0xffffffff; vote.sync.ballot.b32 b1, p1, 0xffffffff; "
+    "mov.u32 ln, %laneid; and.b32 ln, ln, 3; mov.b32 rm, 0x11111111; shl.b32 rm, rm, ln; "
+    "mov.u32 lt, %lanemask_lt; and.b32 b0, b0, rm; and.b32 b1, b1, rm; popc.b32 c0, b0; "
+    "and.b32 $0, b0, lt; popc.b32 $0, $0; and.b32 $1, b1, lt; popc.b32 $1, $1; add.s32 $1, $1, c0; "
+    "popc.b32 $2, b1; add.s32 $2, $2, c0; mov.b32 $3, $2; }")
+
+
+@triton.jit
+def _group_slots_ballot(m_c, HW: tl.constexpr):
+    """Config.group_mask="ballot": each candidate's slot offset in its (group, row) region and the group's candidate
+    count, both [KEY_GROUPS, NG, R] int32 (the count repeated along NG), from two warp ballots (vote.sync) instead of
+    a mask sum over the warp's lanes (3 dependent shuffle levels). Needs NG = 16, R = 4 and the layout BALLOT_LAYOUT
+    (op checks the compiled kernel). The interpreter runs the same lane arithmetic on that layout's model: key j of
+    a group and row r sit in lane 4 (j % 8) + r, register j // 8 of the group's warp."""
+    if HW:
+        off, n = tl.inline_asm_elementwise(_BALLOT_ASM, "=r,=r,=r,=r,r,r", [m_c.to(tl.int32)],
+                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=2)
+    else:
+        NG: tl.constexpr = m_c.shape[1]
+        R: tl.constexpr = m_c.shape[2]
+        o_j = tl.arange(0, NG)[None, :, None]  # [1, NG, 1]
+        o_r = tl.arange(0, R)[None, None, :]  # [1, 1, R]
+        lane = 4 * (o_j % 8) + o_r  # [1, NG, R]
+        b_lane = tl.full(m_c.shape, 1, tl.int32) << lane  # [KG, NG, R] the lane's ballot bit
+        hi = o_j >= 8  # [1, NG, 1] register 1
+        b0 = tl.sum(tl.sum(tl.where(m_c & ~hi, b_lane, 0), axis=2), axis=1)  # [KG] ballot of register 0
+        b1 = tl.sum(tl.sum(tl.where(m_c & hi, b_lane, 0), axis=2), axis=1)  # [KG] register 1
+        rm = tl.full([1, 1, R], 0x11111111, tl.int32) << o_r  # [1, 1, R] the lanes of the thread's row
+        lt = b_lane - 1  # [KG, NG, R] %lanemask_lt (bit 31: INT32_MIN - 1 wraps to 0x7FFFFFFF)
+        c0 = _popc32(b0[:, None, None] & rm, HW)  # [KG, 1, R]
+        c1 = _popc32(b1[:, None, None] & rm, HW)
+        b_own = tl.where(hi, b1[:, None, None], b0[:, None, None]) & rm  # [KG, NG, R]
+        off = _popc32(b_own & lt, HW) + tl.where(hi, c0, 0)
+        n = c0 + c1 + tl.zeros(m_c.shape, tl.int32)
+    return off, n
+
+
 @triton.jit
 def _key_warps(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, nxt, key_rows, idx_rows, o_n, o_d, m_d,
                H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
-               IEEE: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr, thr_f):
+               IEEE: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr, thr_f, BALLOT: tl.constexpr = False):
     """Key tile i_n appended per key group (Config.append="warps"; raw-bit buffers, the fp32 bound thr_f).
 
     The tile's keys split into KEY_GROUPS groups of NG consecutive keys (on the GPU: one warp's MMA rows each).
@@ -578,7 +625,8 @@ def _key_warps(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, nxt, key_rows, idx
     ascending key order within the region: a slot is nxt + popc(the group's int32 mask below the key). No count
     crosses groups, so no cross-warp reduction or barrier per tile (the "mask" append sums a 64-bit mask over the
     whole tile). Only nxt is carried through the tile loop (not the regions' base and width: registers are
-    scarce there). Returns the next free slots."""
+    scarce there). Returns the next free slots. BALLOT (Config.group_mask="ballot"): nxt is [KEY_GROUPS, NG, R]
+    (repeated along NG: no reduction over the warp's lanes), the slots from _group_slots_ballot."""
     NG: tl.constexpr = BLOCK_N // KEY_GROUPS
     o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
                                   H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)
@@ -586,13 +634,19 @@ def _key_warps(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, nxt, key_rows, idx
     key = tl.reshape(sc.to(tl.int32, bitcast=True), [KEY_GROUPS, NG, R])  # what the buffer holds
     o_g = tl.arange(0, KEY_GROUPS)
     o_j = tl.arange(0, NG)
-    b_bit = tl.full([KEY_GROUPS, NG, R], 1, tl.int32) << o_j[None, :, None]  # [KG, NG, R] each key's bit
-    b_mask = tl.sum(tl.where(m_c, b_bit, 0), axis=1)  # [KG, R] the group's candidates (distinct bits)
-    pos = nxt[:, None, :] + _popc32(b_mask[:, None, :] & (b_bit - 1), HW)  # [KG, NG, R]
     o_k = lo + i_n * BLOCK_N + o_g[:, None] * NG + o_j[None, :]  # [KG, NG] key indices
+    if BALLOT:
+        off, n = _group_slots_ballot(m_c, HW)  # [KG, NG, R] each
+        pos = nxt + off
+        nxt_new = nxt + n
+    else:
+        b_bit = tl.full([KEY_GROUPS, NG, R], 1, tl.int32) << o_j[None, :, None]  # [KG, NG, R] each key's bit
+        b_mask = tl.sum(tl.where(m_c, b_bit, 0), axis=1)  # [KG, R] the group's candidates (distinct bits)
+        pos = nxt[:, None, :] + _popc32(b_mask[:, None, :] & (b_bit - 1), HW)  # [KG, NG, R]
+        nxt_new = nxt + _popc32(b_mask, HW)
     _store2(key_rows[None, None, :] + pos, key, idx_rows[None, None, :] + pos, o_k[:, :, None] + tl.zeros_like(pos),
             m_c, HW)
-    return nxt + _popc32(b_mask, HW)
+    return nxt_new
 
 
 @triton.jit
@@ -712,12 +766,15 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
 def _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, thr, b_max, key_rows, idx_rows,
                  o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
                  RELU: tl.constexpr, SELECT: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr, HW: tl.constexpr,
-                 LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False, RAW: tl.constexpr = False, thr_f=None):
+                 LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False, RAW: tl.constexpr = False, thr_f=None,
+                 BALLOT: tl.constexpr = False):
     """One step of the key loop from tile i_n: Config.append's way (the floor, SELECT=False, always tiles).
-    APPEND 2 ("warps"): cnt_g holds the key groups' next free slots [KEY_GROUPS, R] (see _key_loop)."""
+    APPEND 2 ("warps"): cnt_g holds the key groups' next free slots [KEY_GROUPS, R] (BALLOT: [KEY_GROUPS, NG, R],
+    see _key_loop)."""
     if APPEND == 2 and SELECT:
         cnt_g = _key_warps(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt_g, key_rows, idx_rows,
-                           o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW, LANE_ROWS, thr_f)  # cnt_g: next slots
+                           o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW, LANE_ROWS, thr_f,
+                           BALLOT=BALLOT)  # cnt_g: next slots
     elif APPEND == 1 and SELECT:
         cnt = _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
                         o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW, LANE_ROWS=LANE_ROWS, RAW=RAW, thr_f=thr_f)
@@ -734,13 +791,16 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
               CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr, RELU: tl.constexpr,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
               APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False,
-              RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, i_first=0):
+              RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, i_first=0,
+              BALLOT: tl.constexpr = False):
     """The row block's key loop (its tiles from i_first, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask), 2 "warps" (_key_warps: the key groups'
     regions of KEY_GROUPS x F slots from reg0, counts cnt_g; a compaction packs them into the prefix [0, cnt) and
     splits the free rest anew). RAW (mask, warps): raw-bit buffers, the candidate test against the segment's fp32
-    bound. Returns (cnt, cnt_g, reg0, F, thr, b_max)."""
+    bound. BALLOT (warps, Config.group_mask="ballot"): the tile loop carries the next free slots as [KEY_GROUPS, NG, R]
+    (_key_warps). ABLATE >= 6 (benchmarks, no candidates): one segment, no free-space bound. Returns (cnt, cnt_g, reg0,
+    F, thr, b_max)."""
     WARPS: tl.constexpr = APPEND == 2
     NG: tl.constexpr = BLOCK_N // KEY_GROUPS
     i_n = i_first
@@ -770,26 +830,38 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(cnt, kk)
                 n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
+            if ABLATE >= 6:  # ablation (no candidates: nothing can overflow): the rest of the tiles in one segment
+                n_seg = n_tiles - i_n
         thr_f = _thr_score(thr)  # [R] RAW: the segment's fp32 bound (thr is fixed within a segment)
         if ABLATE >= 2:  # ablation (benchmarks only): no score passes the bound, every loop instruction still runs
             thr_f = tl.where(thr_f == thr_f, float("inf"), thr_f)
         if WARPS:  # counts -> next free slots for the tile loop (and back after it)
             cnt_g += reg0 + (tl.arange(0, KEY_GROUPS) * F)[:, None]
+        if BALLOT:
+            nxt = cnt_g[:, None, :] + tl.zeros([KEY_GROUPS, NG, R], dtype=tl.int32)  # [KG, NG, R]
+        else:
+            nxt = cnt_g
         if WHILE_LOOPS:  # the interpreter (numpy >= 2.5) cannot `range` over runtime bounds
             i_e = i_n + n_seg
             while i_n < i_e:
-                cnt, cnt_g, thr, b_max = _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
-                                                      thr, b_max, key_rows, idx_rows, o_n, o_d, m_d, H, D,
-                                                      R, BLOCK_N, RELU, SELECT, IEEE, APPEND, not WHILE_LOOPS,
-                                                      LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, thr_f=thr_f)
+                cnt, nxt, thr, b_max = _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, nxt,
+                                                    thr, b_max, key_rows, idx_rows, o_n, o_d, m_d, H, D,
+                                                    R, BLOCK_N, RELU, SELECT, IEEE, APPEND, not WHILE_LOOPS,
+                                                    LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, thr_f=thr_f,
+                                                    BALLOT=BALLOT)
                 i_n += 1
         else:
             for i_j in range(i_n, i_n + n_seg):
-                cnt, cnt_g, thr, b_max = _append_step(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
-                                                      thr, b_max, key_rows, idx_rows, o_n, o_d, m_d, H, D,
-                                                      R, BLOCK_N, RELU, SELECT, IEEE, APPEND, not WHILE_LOOPS,
-                                                      LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, thr_f=thr_f)
+                cnt, nxt, thr, b_max = _append_step(i_j, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, nxt,
+                                                    thr, b_max, key_rows, idx_rows, o_n, o_d, m_d, H, D,
+                                                    R, BLOCK_N, RELU, SELECT, IEEE, APPEND, not WHILE_LOOPS,
+                                                    LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, thr_f=thr_f,
+                                                    BALLOT=BALLOT)
             i_n += n_seg
+        if BALLOT:
+            cnt_g = tl.max(nxt, axis=1)  # [KG, R] (repeated along NG)
+        else:
+            cnt_g = nxt
         if WARPS:
             cnt_g -= reg0 + (tl.arange(0, KEY_GROUPS) * F)[:, None]
     return cnt, cnt_g, reg0, F, thr, b_max
@@ -809,10 +881,12 @@ def hytopk_kernel(
     WARM: tl.constexpr = 0, CHUNK_W: tl.constexpr = 1, WARM_Z: tl.constexpr = 4.0, WARM_MIN: tl.constexpr = 16,
     APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False, LAZY_MAX: tl.constexpr = False,
     RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, WARM_HEAD: tl.constexpr = False,
+    BALLOT: tl.constexpr = False,
 ):
     """ABLATE (bench/topk.py --parts ablate only, via op.hytopk_ablation; the output is not a valid selection): 1 skips
     the final select and its output writes, 2 lets no key become a candidate in the key loop (no appends, hence no
-    compactions; every instruction of the loop still runs), 3 both. Timing these against the full kernel splits
+    compactions; every instruction of the loop still runs), 3 both; 6 / 7: 2 / 3 with the key loop in one segment
+    (no segment bound: the cost of the segments' pipeline restarts). Timing these against the full kernel splits
     its cost over the key loop's code, its appends and compactions, and the final select."""
     i_p = tl.program_id(0)
     RH: tl.constexpr = R * H
@@ -867,7 +941,7 @@ def hytopk_kernel(
                         n_head, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max,
                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU,
                         SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH,
-                        ABLATE=ABLATE)
+                        ABLATE=ABLATE, BALLOT=BALLOT)
                     thr, cnt, cnt_g, reg0, F = _head_threshold(
                         key_rows, idx_rows, cnt, cnt_g, kk, tl.where(m_live, b_end - b_start, 0), m_t, R, CAP, CHUNK,
                         WARM_Z, WARM_MIN, SEARCH2, RAW, APPEND == 2, KTH)
@@ -890,7 +964,7 @@ def hytopk_kernel(
                     n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                     idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                     WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH, ABLATE=ABLATE,
-                    i_first=i_first)
+                    i_first=i_first, BALLOT=BALLOT)
                 i_first = i_first * 0  # a re-run starts from the first tile
                 # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
                 # keep their buffers and append nothing more (no key is > INT32_MAX)
@@ -920,7 +994,7 @@ def hytopk_kernel(
                 n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                 idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                 WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, KTH=KTH,
-                ABLATE=ABLATE)
+                ABLATE=ABLATE, BALLOT=BALLOT)
 
         if SELECT and (ABLATE % 2 == 1):
             tl.debug_barrier()  # ablation: no final select, no output (the next row block reuses the scratch)

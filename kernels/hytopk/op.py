@@ -23,6 +23,7 @@ KTH_SEARCHES = ("radix", "interp")  # Config.kth_search values
 WARM_SAMPLES = ("spread", "head")  # Config.warm_sample values
 APPENDS = ("tile", "mask", "warps")  # Config.append values (kernel constexpr APPEND = index)
 KEY_GROUPS = 4  # append="warps": key groups per tile (kernel constant KEY_GROUPS: one warpgroup's 4 warps)
+GROUP_MASKS = ("sum", "ballot")  # Config.group_mask values (kernel constexpr BALLOT)
 HEAD_SUMS = ("pairs", "chains")  # Config.head_sum values (kernel constexpr LANE_ROWS = 1 + index; 0: lane_rows off)
 _warm_stats = None  # int32 [3] of the last warm-start launch (device tensor, read without a sync)
 
@@ -111,6 +112,13 @@ class Config:
     # and the buffer is filtered to the keys above it (_head_threshold), so nothing is scored twice. Exact either way
     # (the fallback re-run); a contiguous sample moves the threshold where scores depend on position.
     warm_sample: str = "spread"
+    # append="warps": how a key group's candidates in a row get their slots. "sum": an int32 bit mask summed over the
+    # group's keys (3 dependent shuffle levels across the warp's lanes, then popc). "ballot": two warp ballots
+    # (vote.sync) and popc, no shuffle; the tile loop carries the next free slots repeated per key. Same slots, so
+    # the output is bit-identical. Needs block_n 64, 4 rows per tile (rows_x_heads / H_I = 4), num_warps 4 and
+    # Triton's layout of the candidate tile that the lane arithmetic assumes: checked on the compiled kernel at its
+    # first launch (a clear error otherwise; the interpreter runs the same arithmetic on a model of that layout).
+    group_mask: str = "sum"
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -137,6 +145,13 @@ def check_config(cfg: Config, interpret: bool) -> None:
           f"radix-pass shortcut), got search_bits={cfg.search_bits}, select_prefix={cfg.select_prefix}")
     check(cfg.warm_sample in WARM_SAMPLES,
           f"hytopk: Config.warm_sample must be one of {WARM_SAMPLES}, got {cfg.warm_sample!r}")
+    check(cfg.group_mask in GROUP_MASKS,
+          f"hytopk: Config.group_mask must be one of {GROUP_MASKS}, got {cfg.group_mask!r}")
+    if cfg.group_mask == "ballot":
+        check(cfg.append == "warps" and cfg.block_n == 64 and cfg.num_warps == 4 and cfg.lane_rows,
+              "hytopk: Config.group_mask='ballot' needs append='warps', block_n=64, num_warps=4 and lane_rows=True "
+              f"(the warp layout its lane arithmetic assumes), got append={cfg.append!r}, block_n={cfg.block_n}, "
+              f"num_warps={cfg.num_warps}, lane_rows={cfg.lane_rows}; use group_mask='sum'")
     check(cfg.head_sum in HEAD_SUMS, f"hytopk: Config.head_sum must be one of {HEAD_SUMS}, got {cfg.head_sum!r}")
 
 
@@ -219,7 +234,8 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 LAZY_MAX=bool(lazy_max) and not select,
                 RAW=bool(cfg.raw_keys) and bool(select) and cfg.append in ("mask", "warps"),
                 KTH=_kth_mode(cfg, select), ABLATE=int(ablate),
-                WARM_HEAD=bool(select) and warm > 0 and cfg.warm_sample == "head")
+                WARM_HEAD=bool(select) and warm > 0 and cfg.warm_sample == "head",
+                BALLOT=bool(select) and cfg.group_mask == "ballot")
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):
@@ -241,6 +257,9 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     meta = kernel_constexprs(cfg, H, D, topk, select=select, relu=relu, write_scores=select and return_scores,
                              ieee=q.dtype == torch.float32, interp=interp, lazy_max=lazy_max, ablate=ablate)
     R, cap, warm = meta["R"], meta["CAP"], meta["WARM"]
+    check(not meta["BALLOT"] or (R == 4 and meta["LANE_ROWS"]),
+          f"hytopk: Config.group_mask='ballot' needs 4 query rows per tile (rows_x_heads / H_I = 4, H_I even), got "
+          f"rows_x_heads={cfg.rows_x_heads} with H_I={H} ({R} rows); set rows_x_heads={4 * H} or group_mask='sum'")
     n_blocks = triton_cdiv(T, R)
     if interp or not q.is_cuda:
         n_prog = min(n_blocks, 3)
@@ -261,16 +280,46 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     stats = torch.zeros(3, dtype=torch.int32, device=dev) if warm else out_idx
     if T == 0:
         return (out_idx, out_val) if (return_scores or not select) else out_idx
-    _kernel.hytopk_kernel[(n_prog,)](
+    kern = _kernel.hytopk_kernel[(n_prog,)](
         q, w, k, starts, ends, out_idx, out_val, scratch[0], scratch[1], stats,
         T, S, topk, n_blocks, n_prog, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if meta["BALLOT"] and not interp:
+        _check_ballot_layout(kern)
     if warm:
         global _warm_stats
         _warm_stats = stats
     if not select:
         return out_val
     return (out_idx, out_val) if return_scores else out_idx
+
+
+_ballot_checked: set = set()
+
+
+def _check_ballot_layout(kern) -> None:
+    """Config.group_mask='ballot' computes slots from lane ids: valid only if Triton laid the candidate tile out as
+    _kernel.BALLOT_LAYOUT says. Checked once per compiled kernel on its TTGIR (the layout of the ballot's inline-asm
+    operand); a mismatch (another Triton version, another launch shape) raises instead of returning wrong slots."""
+    import re
+
+    key = id(kern)
+    if key in _ballot_checked:
+        return
+    ttgir = kern.asm["ttgir"]
+    lines = [x for x in ttgir.splitlines() if "vote.sync.ballot" in x and "elementwise_inline_asm" in x]
+    found = []
+    for x in lines:
+        alias = re.findall(r"tensor<4x16x4xi32, (#[\w.]+)>", x)
+        for a in set(alias):
+            m = re.search(r"^" + re.escape(a) + r" = #ttg\.linear<\{(.*?), block = \[\]\}>", ttgir, re.M)
+            found.append(m.group(1) if m else a)
+    if not found or any(f != _kernel.BALLOT_LAYOUT for f in found):
+        raise RuntimeError(
+            "hytopk: Config.group_mask='ballot' assumes the candidate tile layout "
+            f"{{{_kernel.BALLOT_LAYOUT}}} (Triton 3.6, sm_90); this compiled kernel has {found or 'no ballot op'}. "
+            "Use Config(group_mask='sum') (the same slots, computed by a mask sum)")
+    _ballot_checked.add(key)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -378,14 +427,16 @@ def hytopk_floor(q, w, k, starts, ends, relu: bool = True, config: Config | None
     return _launch(q, w, k, starts, ends, topk, relu, False, select=False, config=config, lazy_max=lazy_max)
 
 
-ABLATIONS = {1: "no final select", 2: "no candidates in the key loop", 3: "no candidates, no final select"}
+ABLATIONS = {1: "no final select", 2: "no candidates in the key loop", 3: "no candidates, no final select",
+             6: "no candidates, one segment", 7: "no candidates, no final select, one segment"}
 
 
 def hytopk_ablation(q, w, k, starts, ends, topk: int, ablate: int, relu: bool = True,
                     config: Config | None = None) -> torch.Tensor:
     """Benchmark-only timing breakdown of HyTopK (bench/topk.py --parts ablate): the kernel with a part removed,
     see ABLATIONS (1: the final select and its writes; 2: every key fails the candidate test, so no appends and no
-    compactions, while the key loop's instructions all run; 3: both). Returns the (unwritten or meaningless)
+    compactions, while the key loop's instructions all run; 3: both; 6 / 7: 2 / 3 with the key loop as one segment,
+    no free-space bound: the segments' pipeline restarts). Returns the (unwritten or meaningless)
     indices: NOT a selection. Never call this for results."""
     check(ablate in ABLATIONS, f"hytopk_ablation: ablate must be one of {sorted(ABLATIONS)}, got {ablate}")
     return _launch(q, w, k, starts, ends, topk, relu, False, config=config, ablate=ablate)

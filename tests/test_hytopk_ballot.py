@@ -1,0 +1,165 @@
+"""HyTopK's ballot slots, Config.group_mask="ballot" (append="warps"), against the mask sum ("sum").
+
+"ballot" gives each candidate the slot that "sum" gives it (same region, same rank among the key group's candidates
+of its row), so the buffer, and therefore the output, must be bit-identical, order included. Every case checks that,
+the index sets against the reference, and that the ballot path really ran (a spy on _kernel._group_slots_ballot).
+
+CPU: the interpreter runs the ballot's lane arithmetic on a model of the GPU layout (_kernel.BALLOT_LAYOUT: key j of
+a 16-key group and row r in lane 4 (j % 8) + r, register j // 8), so the launch shape is the GPU's: block_n 64, 4 rows
+per tile (rows_x_heads = 4 H). topk 8 with min_free_tiles 1 gives CAP 256, regions of ~62 slots: rows with more than
+~190 visible keys compact inside the key loop. On the GPU the kernel's layout is checked against the model at the
+first launch (op._check_ballot_layout), tested here on crafted TTGIR text.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyscale_kernels.hytopk import _kernel, hytopk, interpreter_active, op
+from hyscale_kernels.hytopk.op import Config, default_config
+from hyscale_kernels.hytopk.reference import causal_bounds
+from interp_rerun import rerun_under_interpreter
+from test_hytopk import _zero_ties
+from test_hytopk_warmstart import _assert_reference_sets, _inputs
+from test_hytopk_warps import _spy, gpu_causal_inputs, packed_rows_case
+
+INTERP = interpreter_active()
+interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
+
+
+def _cfg(H, **kw):
+    """The GPU's launch shape at head count H (4 rows per tile), small buffers, for the interpreter."""
+    return op.replace(Config(block_n=64, rows_x_heads=4 * H, num_warps=4, num_stages=1, programs_per_sm=1,
+                             min_free_tiles=1, sel_chunk=64, warm_start=0, kth_search="interp"), **kw)
+
+
+def _check(q, w, k, st, en, topk, relu, cfg, calls):
+    """group_mask="ballot" equals "sum" exactly (indices in order, scores), deterministic, reference sets."""
+    calls.clear()
+    base_i, base_v = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True,
+                            config=op.replace(cfg, group_mask="sum"))
+    assert not calls, "group_mask='sum' must not take the ballot path"
+    bal_i, bal_v = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True,
+                          config=op.replace(cfg, group_mask="ballot"))
+    assert calls, "the ballot path did not run"
+    assert not torch.isnan(bal_v).any(), "unwritten output scores"
+    assert torch.equal(bal_i, base_i), f"indices differ from the mask sum's in {int((bal_i != base_i).any(1).sum())} rows"
+    assert torch.equal(bal_v, base_v), "returned scores differ from the mask sum's"
+    _assert_reference_sets(bal_i, q, w, k, st, en, topk, relu)
+    return bal_i
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    return _spy(monkeypatch, "_group_slots_ballot")
+
+
+@interp
+@pytest.mark.parametrize("T,S,H,relu,warm", [(9, 300, 2, True, 0), (7, 333, 2, False, 0), (6, 520, 2, True, 256)])
+def test_causal_ragged(T, S, H, relu, warm, calls, monkeypatch):
+    """T, S not multiples of the tile, CP-style offset, compactions in the key loop; identity activation with
+    negative weights (negative scores); warm start on (S > CAP) and off."""
+    comp = []
+    inner = _kernel._select_store
+
+    def spy(*args, **kwargs):
+        if not args[7]:  # FINAL False: a compaction in the key loop
+            comp.append(1)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(_kernel, "_select_store", spy)
+    q, w, k = _inputs(T, S, H, seed=T)
+    if not relu:
+        w = -w.abs()
+    st, en = causal_bounds(T, S, offset=S - T)
+    _check(q, w, k, st, en, 8, relu, _cfg(H, warm_start=warm), calls)
+    if not warm:
+        assert comp, "no compaction in the key loop: the case does not fill a region"
+
+
+@interp
+def test_short_masked_rows_and_ties(calls):
+    """Rows with fewer visible keys than topk (-1 padding), fully masked rows; then exact-zero ties at the k-th
+    score (kept by key index)."""
+    T, S, H, topk = 12, 10, 2, 16
+    q, w, k = _inputs(T, S, H, seed=3)
+    st, en = causal_bounds(T, S)
+    st, en = st.clone(), en.clone()
+    st[4], en[4] = 5, 5
+    st[7], en[7] = 0, 0
+    idx = _check(q, w, k, st, en, topk, True, _cfg(H), calls)
+    assert (idx[4] == -1).all() and (idx[7] == -1).all()
+    T, S = 6, 230
+    q, w, k = _zero_ties(*_inputs(T, S, H, D=16, seed=5, w_sign=False), every=29)
+    st, en = causal_bounds(T, S, offset=S - T)
+    _check(q, w, k, st, en, 8, True, _cfg(H), calls)
+
+
+@interp
+def test_packed_segments_warm_head(calls):
+    """Packed segments (row blocks straddle segments), short and fully masked rows, head warm sample."""
+    _check(*packed_rows_case(), 8, True, _cfg(2, warm_start=64, warm_sample="head"), calls)
+
+
+def test_config_errors():
+    """group_mask="ballot" refuses launch shapes its lane arithmetic does not model, naming the fields."""
+    with pytest.raises(ValueError, match="group_mask must be one of"):
+        op.check_config(Config(group_mask="vote"), False)
+    for bad in (dict(append="mask"), dict(block_n=32), dict(num_warps=8), dict(lane_rows=False)):
+        with pytest.raises(ValueError, match="group_mask='ballot' needs append='warps', block_n=64"):
+            op.check_config(Config(group_mask="ballot", **bad), False)
+    op.check_config(Config(group_mask="ballot"), False)
+
+
+@interp
+def test_launch_shape_error():
+    """4 rows per tile is checked at launch, where H_I is known."""
+    q, w, k = _inputs(4, 64, 2)
+    st, en = causal_bounds(4, 64)
+    with pytest.raises(ValueError, match="needs 4 query rows per tile"):
+        hytopk(q, w, k, st, en, 4, config=Config(group_mask="ballot", rows_x_heads=16, kth_search="interp"))
+
+
+class _Kern:
+    def __init__(self, ttgir):
+        self.asm = {"ttgir": ttgir}
+
+
+def _ttgir(layout):
+    return (f"#linear3 = #ttg.linear<{{{layout}, block = []}}>\n"
+            "  %a:2 = tt.elementwise_inline_asm \"{ vote.sync.ballot.b32 b0, p0, 0xffffffff; }\" "
+            "{constraints = \"=r,=r,=r,=r,r,r\", packed_element = 2 : i32, pure = true} %m : "
+            "tensor<4x16x4xi32, #linear3> -> tensor<4x16x4xi32, #linear3>, tensor<4x16x4xi32, #linear3>\n")
+
+
+def test_layout_check():
+    """The first launch's TTGIR check: the modelled layout passes; a permuted lane basis, or no ballot op at all,
+    raises with the fix."""
+    op._check_ballot_layout(_Kern(_ttgir(_kernel.BALLOT_LAYOUT)))
+    swapped = _kernel.BALLOT_LAYOUT.replace("lane = [[0, 0, 1], [0, 0, 2]", "lane = [[0, 0, 2], [0, 0, 1]")
+    assert swapped != _kernel.BALLOT_LAYOUT
+    with pytest.raises(RuntimeError, match="group_mask='sum'"):
+        op._check_ballot_layout(_Kern(_ttgir(swapped)))
+    with pytest.raises(RuntimeError, match="no ballot op"):
+        op._check_ballot_layout(_Kern("#linear = #ttg.linear<{register = [], block = []}>\n"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,relu", [(12288, 64, True), (8192, 32, False)])
+def test_gpu_ballot_equals_sum(T, H, relu):
+    """bf16 at real shapes (k 2048, warm start, compactions): the ballot slots give the mask sum's output bit for
+    bit (order included), deterministically; the compiled layout passed the first-launch check."""
+    q, w, k, st, en = gpu_causal_inputs(T, H)
+    cfg = default_config(H, 2048)
+    si, sv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, group_mask="sum"))
+    bi, bv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, group_mask="ballot"))
+    bi2 = hytopk(q, w, k, st, en, 2048, relu=relu, config=op.replace(cfg, group_mask="ballot"))
+    assert torch.equal(bi, bi2), "two runs differ"
+    assert torch.equal(bi, si), f"indices differ from the mask sum's in {int((bi != si).any(1).sum())} rows"
+    assert torch.equal(bv, sv), "scores differ"
+
+
+def test_interpreter_in_subprocess():
+    """Triton imported here without the interpreter: run this file's kernel tests in a fresh process."""
+    rerun_under_interpreter(__file__)
