@@ -639,6 +639,8 @@ if "ablate" in args.parts:
                                                  config=replace(base, warm_start=0)))]
         parts += [(ABLATIONS[a], (lambda a=a: hytopk_ablation(q, w, k, st, en, kk, a, config=base)))
                   for a in (1, 2, 3, 6, 7)]
+        parts += [(ABLATIONS[7] + ", warm_start 0",  # the key loop's own code: no warm sample either
+                   lambda: hytopk_ablation(q, w, k, st, en, kk, 7, config=replace(base, warm_start=0)))]
         parts += [("floor (lazy max)", lambda: hytopk_floor(q, w, k, st, en, config=base, topk=kk, lazy_max=True))]
         ms = {n: [] for n, _ in parts}
         for r in range(rounds):  # interleaved: drift hits every part alike

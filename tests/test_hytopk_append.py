@@ -23,6 +23,7 @@ from hyscale_kernels.hytopk.reference import causal_bounds, packed_causal_bounds
 from interp_rerun import rerun_under_interpreter
 from test_hytopk import _zero_ties
 from test_hytopk_warmstart import _assert_reference_sets, _inputs
+from test_hytopk_warps import short_masked_case
 
 INTERP = interpreter_active()
 interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
@@ -79,13 +80,8 @@ def test_causal_ragged(T, S, H, topk, relu, warm, variant):
 @interp
 def test_short_and_masked_rows(variant):
     """Rows with fewer visible keys than topk (-1 padding), fully masked rows, topk > S."""
-    T, S, H, topk = 12, 10, 2, 16
-    q, w, k = _inputs(T, S, H, seed=3)
-    st, en = causal_bounds(T, S)
-    st, en = st.clone(), en.clone()
-    st[4], en[4] = 5, 5
-    st[7], en[7] = 0, 0
-    idx = _check(q, w, k, st, en, topk, True, _interp_cfg(H, topk), variant)
+    *case, topk = short_masked_case()
+    idx = _check(*case, topk, True, _interp_cfg(2, topk), variant)
     assert (idx[4] == -1).all() and (idx[7] == -1).all()
 
 

@@ -20,9 +20,8 @@ from hyscale_kernels.hytopk import _kernel, hytopk, interpreter_active, op
 from hyscale_kernels.hytopk.op import Config, default_config
 from hyscale_kernels.hytopk.reference import causal_bounds
 from interp_rerun import rerun_under_interpreter
-from test_hytopk import _zero_ties
 from test_hytopk_warmstart import _assert_reference_sets, _inputs
-from test_hytopk_warps import _spy, gpu_causal_inputs, packed_rows_case
+from test_hytopk_warps import _spy, gpu_causal_inputs, packed_rows_case, short_masked_case, zero_ties_case
 
 INTERP = interpreter_active()
 interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
@@ -82,18 +81,11 @@ def test_causal_ragged(T, S, H, relu, warm, calls, monkeypatch):
 def test_short_masked_rows_and_ties(calls):
     """Rows with fewer visible keys than topk (-1 padding), fully masked rows; then exact-zero ties at the k-th
     score (kept by key index)."""
-    T, S, H, topk = 12, 10, 2, 16
-    q, w, k = _inputs(T, S, H, seed=3)
-    st, en = causal_bounds(T, S)
-    st, en = st.clone(), en.clone()
-    st[4], en[4] = 5, 5
-    st[7], en[7] = 0, 0
-    idx = _check(q, w, k, st, en, topk, True, _cfg(H), calls)
+    *case, topk = short_masked_case()
+    idx = _check(*case, topk, True, _cfg(2), calls)
     assert (idx[4] == -1).all() and (idx[7] == -1).all()
-    T, S = 6, 230
-    q, w, k = _zero_ties(*_inputs(T, S, H, D=16, seed=5, w_sign=False), every=29)
-    st, en = causal_bounds(T, S, offset=S - T)
-    _check(q, w, k, st, en, 8, True, _cfg(H), calls)
+    *case, topk = zero_ties_case(S=230)
+    _check(*case, topk, True, _cfg(2), calls)
 
 
 @interp

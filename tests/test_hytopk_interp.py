@@ -17,14 +17,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyscale_kernels.hytopk import _kernel, hytopk, interpreter_active, op
+from hyscale_kernels.hytopk import hytopk, interpreter_active, op
 from hyscale_kernels.hytopk.op import default_config
 from hyscale_kernels.hytopk.reference import causal_bounds
 from interp_rerun import rerun_under_interpreter
-from test_hytopk import _zero_ties
 from test_hytopk_prefix import I32_MIN, _check_contract, _keys, _run_probe
 from test_hytopk_warmstart import _assert_reference_sets, _inputs
-from test_hytopk_warps import by_index, gpu_causal_inputs, packed_rows_case
+from test_hytopk_warps import _spy, by_index, gpu_causal_inputs, packed_rows_case, zero_ties_case
 
 INTERP = interpreter_active()
 interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
@@ -33,15 +32,7 @@ interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in
 @pytest.fixture
 def interp_calls(monkeypatch):
     """Calls of the kernel's _kth_interp (the interpreter looks jit functions up in the module at call time)."""
-    calls = []
-    inner = _kernel._kth_interp
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(_kernel, "_kth_interp", spy)
-    return calls
+    return _spy(monkeypatch, "_kth_interp")
 
 
 CASES = ["narrow", "wide", "equal", "sign", "small_rows", "holes", "per_row_k", "ties_at_k", "skewed"]
@@ -137,10 +128,8 @@ def test_interp_same_sets(T, S, H, topk, relu, warm, append, interp_calls):
 @pytest.mark.parametrize("append", ["mask", "warps"])
 def test_interp_ties_and_packed(append, interp_calls):
     """ReLU exact zeros tied at the k-th score (ranking), packed segments with short and fully masked rows."""
-    T, S, H, D, topk = 6, 130, 2, 16, 8
-    q, w, k = _zero_ties(*_inputs(T, S, H, D=D, seed=5, w_sign=False), every=29)
-    st, en = causal_bounds(T, S, offset=S - T)
-    _same_sets(q, w, k, st, en, topk, True, _interp_cfg(H, topk, warm_start=64, append=append), interp_calls)
+    *case, topk = zero_ties_case()
+    _same_sets(*case, topk, True, _interp_cfg(2, topk, warm_start=64, append=append), interp_calls)
     _same_sets(*packed_rows_case(), 8, True, _interp_cfg(2, 8, warm_start=64, append=append), interp_calls)
 
 

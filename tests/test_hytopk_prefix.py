@@ -21,9 +21,8 @@ from hyscale_kernels.hytopk import _kernel, hytopk, interpreter_active, op
 from hyscale_kernels.hytopk.op import default_config
 from hyscale_kernels.hytopk.reference import causal_bounds
 from interp_rerun import rerun_under_interpreter
-from test_hytopk import _zero_ties
 from test_hytopk_warmstart import _assert_reference_sets, _inputs
-from test_hytopk_warps import gpu_causal_inputs, packed_rows_case
+from test_hytopk_warps import gpu_causal_inputs, packed_rows_case, zero_ties_case
 
 INTERP = interpreter_active()
 interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
@@ -167,10 +166,8 @@ def test_prefix_bit_identical(T, S, H, topk, relu, warm, append, clz_calls):
 @pytest.mark.parametrize("append", ["mask", "warps"])
 def test_prefix_ties_and_packed(append, clz_calls):
     """ReLU exact zeros tied at the k-th score (ranking), packed segments with short and fully masked rows."""
-    T, S, H, D, topk = 6, 130, 2, 16, 8
-    q, w, k = _zero_ties(*_inputs(T, S, H, D=D, seed=5, w_sign=False), every=29)
-    st, en = causal_bounds(T, S, offset=S - T)
-    _same_with_prefix(q, w, k, st, en, topk, True, _interp_cfg(H, topk, warm_start=64, append=append), clz_calls)
+    *case, topk = zero_ties_case()
+    _same_with_prefix(*case, topk, True, _interp_cfg(2, topk, warm_start=64, append=append), clz_calls)
     _same_with_prefix(*packed_rows_case(), 8, True, _interp_cfg(2, 8, warm_start=64, append=append), clz_calls)
 
 

@@ -23,9 +23,8 @@ from hyscale_kernels.hytopk import _kernel, hytopk, interpreter_active, op
 from hyscale_kernels.hytopk.op import default_config
 from hyscale_kernels.hytopk.reference import causal_bounds
 from interp_rerun import rerun_under_interpreter
-from test_hytopk import _zero_ties
 from test_hytopk_warmstart import _assert_reference_sets, _inputs
-from test_hytopk_warps import by_index, gpu_causal_inputs, packed_rows_case
+from test_hytopk_warps import by_index, gpu_causal_inputs, packed_rows_case, zero_ties_case
 
 INTERP = interpreter_active()
 interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
@@ -85,10 +84,8 @@ def test_head_same_sets(T, S, H, topk, relu, append, kth, spies):
 @pytest.mark.parametrize("append", ["warps", "mask"])
 def test_head_ties_and_packed(append, spies):
     """ReLU exact zeros tied at the k-th score; packed segments (row blocks straddle them), short and masked rows."""
-    T, S, H, D, topk = 6, 130, 2, 16, 8
-    q, w, k = _zero_ties(*_inputs(T, S, H, D=D, seed=5, w_sign=False), every=29)
-    st, en = causal_bounds(T, S, offset=S - T)
-    _check(q, w, k, st, en, topk, True, _cfg(H, topk, append=append), spies)
+    *case, topk = zero_ties_case()
+    _check(*case, topk, True, _cfg(2, topk, append=append), spies)
     _check(*packed_rows_case(), 8, True, _cfg(2, 8, append=append), spies)
 
 

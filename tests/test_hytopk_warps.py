@@ -112,13 +112,8 @@ def test_causal_ragged(T, S, H, topk, relu, warm, spies, compactions):
 @interp
 def test_short_and_masked_rows(spies):
     """Rows with fewer visible keys than topk (-1 padding), fully masked rows, topk > S."""
-    T, S, H, topk = 12, 10, 2, 16
-    q, w, k = _inputs(T, S, H, seed=3)
-    st, en = causal_bounds(T, S)
-    st, en = st.clone(), en.clone()
-    st[4], en[4] = 5, 5
-    st[7], en[7] = 0, 0
-    idx = _check(q, w, k, st, en, topk, True, _interp_cfg(H, topk), spies)
+    *case, topk = short_masked_case()
+    idx = _check(*case, topk, True, _interp_cfg(2, topk), spies)
     assert (idx[4] == -1).all() and (idx[7] == -1).all()
 
 
@@ -127,10 +122,29 @@ def test_short_and_masked_rows(spies):
 def test_ties_exact_zeros_ranked_by_index(warm, spies):
     """ReLU zeros: most keys score exactly 0 and the top-k boundary falls among them, with more zeros than fit:
     the kept ones are the lowest key indices although the regions hold them out of index order."""
-    T, S, H, D, topk = 6, 130, 2, 16, 8
+    *case, topk = zero_ties_case()
+    _check(*case, topk, True, _interp_cfg(2, topk, warm_start=warm), spies, ranked=True)
+
+
+def short_masked_case():
+    """(q, w, k, starts, ends, topk) at H 2, fp32, T 12, S 10, topk 16 > S: rows with fewer visible keys than topk
+    (-1 padding); rows 4 and 7 fully masked."""
+    T, S, H, topk = 12, 10, 2, 16
+    q, w, k = _inputs(T, S, H, seed=3)
+    st, en = causal_bounds(T, S)
+    st, en = st.clone(), en.clone()
+    st[4], en[4] = 5, 5
+    st[7], en[7] = 0, 0
+    return q, w, k, st, en, topk
+
+
+def zero_ties_case(S=130):
+    """(q, w, k, starts, ends, topk) at H 2, D 16, fp32, T 6, topk 8: ReLU exact zeros tied at the k-th score (more
+    zeros than fit), CP offset."""
+    T, H, D, topk = 6, 2, 16, 8
     q, w, k = _zero_ties(*_inputs(T, S, H, D=D, seed=5, w_sign=False), every=29)
     st, en = causal_bounds(T, S, offset=S - T)
-    _check(q, w, k, st, en, topk, True, _interp_cfg(H, topk, warm_start=warm), spies, ranked=True)
+    return q, w, k, st, en, topk
 
 
 def packed_rows_case():
