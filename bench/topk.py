@@ -73,6 +73,10 @@ p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, ti
 p.add_argument("--resources", action="store_true",
                help="no GPU needed: compile the sweep configs (H 64, D 128, k 2048, bf16) for sm_90a and print "
                     "smem / registers / spills / local-memory ops in the key loop, then exit")
+p.add_argument("--ablate-variants", default=None,
+               help="with --parts ablate: ';'-separated json Config overrides; each adds a part timing ablation 7 (no "
+                    "candidates, no final select, one segment) with that config, instead of the built-in parts: the "
+                    "warm start's own cost under each (e.g. {\"warm_start\":512};{\"kth_search\":\"radix\"})")
 p.add_argument("--resource-variants", default=None,
                help="with --resources: ';'-separated json Config overrides of the default to compile instead of the "
                     "built-in list (the default and its lazy floor come first)")
@@ -639,6 +643,10 @@ if "ablate" in args.parts:
                                                  config=replace(base, warm_start=0)))]
         parts += [(ABLATIONS[a], (lambda a=a: hytopk_ablation(q, w, k, st, en, kk, a, config=base)))
                   for a in (1, 2, 3, 6, 7)]
+        if args.ablate_variants:  # ablation 7 under config variants: what the warm start itself costs in each
+            parts = parts[:1] + [(f"{ABLATIONS[7]}, {v.strip()}", (lambda c=replace(base, **json.loads(v)):
+                                  hytopk_ablation(q, w, k, st, en, kk, 7, config=c)))
+                                 for v in args.ablate_variants.split(";") if v.strip()]
         parts += [(ABLATIONS[7] + ", warm_start 0",  # the key loop's own code: no warm sample either
                    lambda: hytopk_ablation(q, w, k, st, en, kk, 7, config=replace(base, warm_start=0)))]
         parts += [("floor (lazy max)", lambda: hytopk_floor(q, w, k, st, en, config=base, topk=kk, lazy_max=True))]
