@@ -24,7 +24,7 @@ case " $STEPS " in *" tests "*)
 esac
 # topk: HyTopK's exact variants checked bit for bit against the default, then the 64K config sweep
 # (defaults: append warps, early-stopping 2-bit select, warm start 1024; bench/NOTES_hytopk.md)
-TOPK_VARIANTS='{"append":"mask"};{"warm_start":512};{"append":"tile"};{"kth_search":"radix"};{"append":"mask","search_bits":1,"kth_search":"radix"};{"append":"tile","search_bits":1,"kth_search":"radix"};{"warm_start":0}'
+TOPK_VARIANTS='{"group_mask":"sum"};{"append":"mask"};{"warm_start":512};{"append":"tile"};{"kth_search":"radix"};{"append":"mask","search_bits":1,"kth_search":"radix"};{"append":"tile","search_bits":1,"kth_search":"radix"};{"warm_start":0}'
 case " $STEPS " in *" topk "*)
   echo "== topk check + sweep ($(date +%T))"
   timeout "${KS_TOPK_TIMEOUT:-420}" python3 bench/topk.py --out "$OUT" --parts check,sweep --check-specs "${KS_TOPK_CHECK_SPECS:-0,1,2,4}" \

@@ -94,23 +94,32 @@ def test_packed_segments_warm_head(calls):
     _check(*packed_rows_case(), 8, True, _cfg(2, warm_start=64, warm_sample="head"), calls)
 
 
-def test_config_errors():
-    """group_mask="ballot" refuses launch shapes its lane arithmetic does not model, naming the fields."""
+def test_config_values():
     with pytest.raises(ValueError, match="group_mask must be one of"):
         op.check_config(Config(group_mask="vote"), False)
-    for bad in (dict(append="mask"), dict(block_n=32), dict(num_warps=8), dict(lane_rows=False)):
-        with pytest.raises(ValueError, match="group_mask='ballot' needs append='warps', block_n=64"):
-            op.check_config(Config(group_mask="ballot", **bad), False)
     op.check_config(Config(group_mask="ballot"), False)
+    for bad in (dict(append="mask"), dict(block_n=32), dict(num_warps=8), dict(lane_rows=False)):
+        cfg = Config(group_mask="ballot", **bad)
+        op.check_config(cfg, False)  # valid: the ballot is ignored where it does not apply (as lane_rows is)
+        assert not op.kernel_constexprs(cfg, 64, 128, 2048, select=True, relu=True, write_scores=False, ieee=False,
+                                        interp=False)["BALLOT"], bad
+    assert not op.kernel_constexprs(Config(group_mask="ballot", rows_x_heads=512), 64, 128, 2048, select=True,
+                                    relu=True, write_scores=False, ieee=False, interp=False)["BALLOT"], "8 rows"
+    assert op.kernel_constexprs(Config(group_mask="ballot"), 64, 128, 2048, select=True, relu=True,
+                                write_scores=False, ieee=False, interp=False)["BALLOT"]
 
 
 @interp
-def test_launch_shape_error():
-    """4 rows per tile is checked at launch, where H_I is known."""
-    q, w, k = _inputs(4, 64, 2)
-    st, en = causal_bounds(4, 64)
-    with pytest.raises(ValueError, match="needs 4 query rows per tile"):
-        hytopk(q, w, k, st, en, 4, config=Config(group_mask="ballot", rows_x_heads=16, kth_search="interp"))
+def test_ignored_where_inapplicable(calls, caplog):
+    """8 rows per tile: the mask sum runs (the same output as "sum"), with one info line naming why."""
+    *case, topk = short_masked_case()
+    cfg = _cfg(2, rows_x_heads=16)
+    base = hytopk(*case, topk, config=op.replace(cfg, group_mask="sum"))
+    with caplog.at_level("INFO", logger="hyscale_kernels"):
+        out = hytopk(*case, topk, config=op.replace(cfg, group_mask="ballot"))
+    assert not calls, "the ballot ran on an 8-row tile"
+    assert torch.equal(out, base)
+    assert "group_mask='ballot' does not apply to this launch" in caplog.text and "8 rows" in caplog.text
 
 
 class _Kern:
@@ -137,6 +146,26 @@ def test_layout_check():
         op._check_ballot_layout(_Kern("#linear = #ttg.linear<{register = [], block = []}>\n"))
 
 
+def test_default_and_guard(monkeypatch, caplog):
+    """default_config uses the ballot for 4-row tiles on the GPU (H 8..64), not at H 4 / 128 or in the interpreter.
+    A layout mismatch: an explicit Config raises; the default logs a warning, returns False (the caller re-runs
+    with "sum") and default_config stays on "sum" for the process."""
+    monkeypatch.setattr(op, "_ballot_default", True)
+    for H, want in ((64, "ballot"), (32, "ballot"), (16, "ballot"), (8, "ballot"), (4, "sum"), (128, "sum")):
+        assert default_config(H, 2048).group_mask == want, H
+    assert default_config(64, 2048, interpret=True).group_mask == "sum"
+    good = _Kern(_ttgir(_kernel.BALLOT_LAYOUT))
+    bad = _Kern(_ttgir(_kernel.BALLOT_LAYOUT.replace("register = [[0, 8, 0]]", "register = [[0, 0, 2]]")))
+    assert op._ballot_guard(good, explicit=False) and op._ballot_guard(good, explicit=True)
+    with pytest.raises(RuntimeError, match="assumes the candidate tile layout"):
+        op._ballot_guard(bad, explicit=True)
+    assert op._ballot_default, "an explicit config's failure must not change the default"
+    with caplog.at_level("WARNING", logger="hyscale_kernels"):
+        assert op._ballot_guard(bad, explicit=False) is False
+    assert "falls back to group_mask='sum'" in caplog.text
+    assert default_config(64, 2048).group_mask == "sum"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,H,relu", [(12288, 64, True), (8192, 32, False)])
 def test_gpu_ballot_equals_sum(T, H, relu):
@@ -144,6 +173,7 @@ def test_gpu_ballot_equals_sum(T, H, relu):
     bit (order included), deterministically; the compiled layout passed the first-launch check."""
     q, w, k, st, en = gpu_causal_inputs(T, H)
     cfg = default_config(H, 2048)
+    assert cfg.group_mask == "ballot", "the default at H 32 / 64"
     si, sv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, group_mask="sum"))
     bi, bv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, group_mask="ballot"))
     bi2 = hytopk(q, w, k, st, en, 2048, relu=relu, config=op.replace(cfg, group_mask="ballot"))
