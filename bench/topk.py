@@ -75,8 +75,8 @@ p.add_argument("--resources", action="store_true",
                     "smem / registers / spills / local-memory ops in the key loop, then exit")
 p.add_argument("--ablate-variants", default=None,
                help="with --parts ablate: ';'-separated json Config overrides; each adds a part timing ablation 7 (no "
-                    "candidates, no final select, one segment) with that config, instead of the built-in parts: the "
-                    "warm start's own cost under each (e.g. {\"warm_start\":512};{\"kth_search\":\"radix\"})")
+                    "candidates, no final select, one segment) with that config, replacing the built-in ablations (the full "
+                    "kernel, ablation 7 without a warm start and the floor stay): the warm start's own cost under each (e.g. {\"warm_start\":512};{\"kth_search\":\"radix\"})")
 p.add_argument("--resource-variants", default=None,
                help="with --resources: ';'-separated json Config overrides of the default to compile instead of the "
                     "built-in list (the default and its lazy floor come first)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -185,7 +186,7 @@ def default_config(H: int, topk: int, interpret: bool = False) -> Config:
     # ballot slots where the tile has 4 rows (H 8..64); bit-identical output. H200, 64K causal, 7 interleaved rounds
     # (session 16): H 64 68.95 -> 68.16 ms, H 32 42.51 -> 42.39. Off for the rest of the process if a compiled
     # kernel's layout does not match the model (_ballot_guard)
-    if _ballot_default and cfg.rows_x_heads // H == 4 and H % 2 == 0:
+    if _ballot_default and ballot_applies(cfg, _rows(cfg, H), H):
         cfg = replace(cfg, group_mask="ballot")
     return cfg
 
@@ -213,10 +214,15 @@ def _geometry(H: int, D: int, topk: int, cfg: Config):
     kernel compacts below MIN_FREE free slots."""
     min_free = cfg.min_free_tiles * cfg.block_n
     cap = _pow2_ceil(max(cfg.cap_mult * topk, topk + 2 * min_free))
-    R = max(1, cfg.rows_x_heads // H)
-    R = 1 << (R.bit_length() - 1)  # power of two
+    R = _rows(cfg, H)
     chunk = max(1, min(cap, cfg.sel_chunk // R))
     return R, cap, chunk, min_free, _pow2_ceil(max(D, 16))
+
+
+def _rows(cfg: Config, H: int) -> int:
+    """Query rows per tile: rows_x_heads // H rounded down to a power of two (at least 1)."""
+    R = max(1, cfg.rows_x_heads // H)
+    return 1 << (R.bit_length() - 1)
 
 
 def ballot_applies(cfg: Config, R: int, H: int) -> bool:
@@ -332,8 +338,6 @@ def _check_ballot_layout(kern) -> None:
     """Config.group_mask='ballot' computes slots from lane ids: valid only if Triton laid the candidate tile out as
     _kernel.BALLOT_LAYOUT says. Checked once per compiled kernel on its TTGIR (the layout of the ballot's inline-asm
     operand); a mismatch (another Triton version, another launch shape) raises instead of returning wrong slots."""
-    import re
-
     key = id(kern)
     if key in _ballot_checked:
         return
