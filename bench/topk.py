@@ -50,7 +50,8 @@ p.add_argument("--csv", default=None, help="CSV to append to (default: <out>/top
 p.add_argument("--budget-s", type=float, default=470.0, help="stop starting new work after this")
 p.add_argument("--parts", default="check,sweep,main",
                help="comma list: check, sweep, ablate (where the time over the floor goes: --sweep-S, --sweep-heads 64/32, "
-                    "--ab-rounds rounds), main")
+                    "--ab-rounds rounds), profile (the same split from clock64 at the kernel's phase boundaries: "
+                    "op.hytopk_profile; --profile-variants), main")
 p.add_argument("--sizes", default="16384,32768,65536,131072,262144")
 p.add_argument("--heads", default="64,32")
 p.add_argument("--stock-max", type=int, default=131072, help="largest S for stock TileLang (2.1 s/call at 128K)")
@@ -77,6 +78,9 @@ p.add_argument("--ablate-variants", default=None,
                help="with --parts ablate: ';'-separated json Config overrides; each adds a part timing ablation 7 (no "
                     "candidates, no final select, one segment) with that config, replacing the built-in ablations (the full "
                     "kernel, ablation 7 without a warm start and the floor stay): the warm start's own cost under each (e.g. {\"warm_start\":512};{\"kth_search\":\"radix\"})")
+p.add_argument("--profile-variants", default=None,
+               help="with --parts profile: ';'-separated json Config overrides of the default, each profiled and timed "
+                    "beside it (interleaved rounds: --ab-rounds)")
 p.add_argument("--resource-variants", default=None,
                help="with --resources: ';'-separated json Config overrides of the default to compile instead of the "
                     "built-in list (the default and its lazy floor come first)")
@@ -103,7 +107,7 @@ def resources(cfgs, H=64, D=128, kk=2048):
     fn = _kernel.hytopk_kernel
     names = list(fn.arg_names)
     sig = dict(q_ptr="*bf16", w_ptr="*bf16", k_ptr="*bf16", starts_ptr="*i32", ends_ptr="*i32", out_idx_ptr="*i32",
-               out_val_ptr="*fp32", buf_key_ptr="*i32", buf_idx_ptr="*i32", stats_ptr="*i32", T="i32", S="i32",
+               out_val_ptr="*fp32", buf_key_ptr="*i32", buf_idx_ptr="*i32", stats_ptr="*i32", prof_ptr="*i64", T="i32", S="i32",
                kk="i32", n_blocks="i32", n_p="i32")
     sig = {a: sig[a] for a in names if a in sig}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
@@ -664,6 +668,50 @@ if "ablate" in args.parts:
                    ms_p80=round(hs[int(round(0.8 * (len(hs) - 1)))], 3), tflops=round(fl / h / 1e9, 1),
                    x_floor=round(h / f, 3), config=json.dumps(base.__dict__),
                    note=f"{rounds} interleaved rounds; ablations are timing variants, not selections")
+        del q, w, k
+        empty_cache()
+
+
+# ------------------------------------------------------------------------------------------
+# (2c) profile: each phase's share of the programs' cycles (clock64, op.hytopk_profile) times the plain launch's ms
+# ------------------------------------------------------------------------------------------
+if "profile" in args.parts:
+    from hyscale_kernels.hytopk.op import PROFILE_PHASES, hytopk_profile
+
+    S = 64 if args.smoke else args.sweep_S
+    rounds = max(1, args.ab_rounds or 5)
+    for H, kk in ((4, 8),) if args.smoke else [(h, 2048) for h in (64, 32) if str(h) in args.sweep_heads.split(",")]:
+        q, w, k = make_inputs(S, S, H)
+        st, en = causal(S)
+        fl = flops(st, en, H)
+        base = default_config(H, kk, interpret=args.smoke)
+        cfgs = [("default", base)] + [(v.strip(), replace(base, **json.loads(v)))
+                                      for v in (args.profile_variants or "").split(";") if v.strip()]
+        ms = {n: [] for n, _ in cfgs}
+        ms["floor (lazy max)"] = []
+        for r in range(rounds):  # interleaved: drift hits every config alike
+            for n, c in cfgs:
+                ms[n].append(time_fn(lambda c=c: hytopk(q, w, k, st, en, kk, check_bounds=False, config=c),
+                                     target_ms=300)[0])
+            ms["floor (lazy max)"].append(time_fn(lambda: hytopk_floor(q, w, k, st, en, config=base, topk=kk,
+                                                                       lazy_max=True), target_ms=300)[0])
+        f = statistics.median(ms["floor (lazy max)"])
+        log(f"PROFILE H{H} S{S} floor {f:.2f} ms")
+        for n, c in cfgs:
+            h = statistics.median(ms[n])
+            hs = sorted(ms[n])
+            _, pr = hytopk_profile(q, w, k, st, en, kk, config=c)
+            tot = max(pr["total"], 1)
+            split = {ph: round(h * pr[ph] / tot, 3) for ph in PROFILE_PHASES[1:8]}
+            log(f"PROFILE H{H} S{S} {n}: {h:.2f} ms (rounds {hs[0]:.2f}-{hs[-1]:.2f}) x floor {h / f:.3f}; "
+                + ", ".join(f"{ph} {v:.2f}" for ph, v in split.items())
+                + f"; {pr['row blocks']} row blocks, {pr['n compactions']} compactions"
+                + (f"; warm {json.dumps(warm_stats())}" if c.warm_start else ""))
+            record(shape=f"profile {n}", impl="hytopk", H=H, D=D_I, topk=kk, T=S, S_keys=S, ms=round(h, 3),
+                   ms_p20=round(hs[int(0.2 * (len(hs) - 1))], 3), ms_p80=round(hs[int(round(0.8 * (len(hs) - 1)))], 3),
+                   tflops=round(fl / h / 1e9, 1), x_floor=round(h / f, 3), config=json.dumps(c.__dict__),
+                   note=f"{rounds} interleaved rounds, floor {f:.3f} ms; ms per phase (cycle share x ms): "
+                   + json.dumps(split) + f"; counters {json.dumps(pr)}")
         del q, w, k
         empty_cache()
 

@@ -107,7 +107,7 @@ ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 fn = _kernel.hytopk_kernel
 names = list(fn.arg_names)
 sig = dict(q_ptr="*bf16", w_ptr="*bf16", k_ptr="*bf16", starts_ptr="*i32", ends_ptr="*i32", out_idx_ptr="*i32",
-           out_val_ptr="*fp32", buf_key_ptr="*i32", buf_idx_ptr="*i32", stats_ptr="*i32", T="i32", S="i32",
+           out_val_ptr="*fp32", buf_key_ptr="*i32", buf_idx_ptr="*i32", stats_ptr="*i32", prof_ptr="*i64", T="i32", S="i32",
            kk="i32", n_blocks="i32", n_p="i32")
 attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
 H, D, kk = 64, 128, 2048

@@ -54,6 +54,31 @@ def _key_to_score(key):
     return bits.to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _clock(PROFILE: tl.constexpr, INTERP: tl.constexpr):
+    """PROFILE (op.hytopk_profile, bench/topk.py --parts profile): the SM's cycle counter (clock64); 0 under the
+    interpreter. Read right after a barrier, it brackets a phase of the program (async copies / MMAs in flight
+    are charged to the phase that waits for them)."""
+    if PROFILE and not INTERP:
+        return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        return tl.full([], 0, tl.int64)
+
+
+# PROFILE: the int64 counters of prof_ptr (summed over programs; op.PROFILE_PHASES names them)
+P_TOTAL = tl.constexpr(0)  # cycles: each program, start to end
+P_SETUP = tl.constexpr(1)  # cycles: row block set-up (bounds, Q / weight loads, buffer holes)
+P_SAMPLE = tl.constexpr(2)  # cycles: warm-start sample scoring
+P_WSEL = tl.constexpr(3)  # cycles: warm-start threshold select
+P_LOOP = tl.constexpr(4)  # cycles: the key loop's first pass (compactions included)
+P_CMP = tl.constexpr(5)  # cycles: compactions (part of P_LOOP / P_RERUN)
+P_RERUN = tl.constexpr(6)  # cycles: key-loop passes re-run from -inf (warm-start fallback)
+P_FINAL = tl.constexpr(7)  # cycles: final select, output writes, padding
+P_BLOCKS = tl.constexpr(8)  # count: row blocks
+P_NCMP = tl.constexpr(9)  # count: compactions
+P_N = tl.constexpr(10)
+
+
 RAW_NONE = tl.constexpr(-1)  # RAW buffers: the fp32 bits (a NaN) whose key is INT32_MIN (never counted)
 # Config.append="warps": key groups per tile, each appending to its own region of a row's buffer. 4 = the warps
 # of one warpgroup along the MMA's M side (a wgmma warp holds 16 consecutive keys of a 64-key tile), so a
@@ -714,12 +739,83 @@ def _head_threshold(key_rows, idx_rows, cnt, cnt_g, kk, n_vis, m_t, R: tl.conste
 
 
 @triton.jit
+def _norm_tail_z(p):
+    """z with P(N(0, 1) > z) = p, p in (0, 0.5] (Abramowitz & Stegun 26.2.23: |error| < 4.5e-4)."""
+    t = tl.sqrt(-2.0 * tl.log(p))
+    return t - (2.515517 + t * (0.802853 + t * 0.010328)) / (1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)))
+
+
+@triton.jit
+def _warm_window(key_rows, j, on, R: tl.constexpr, WARM: tl.constexpr, SLACK: tl.constexpr, RAW: tl.constexpr):
+    """Config.warm_search="window": per row a key x whose count of sample keys >= x lies in [j, j + SLACK j]; the
+    threshold is x - 1. Rows off (on False) get INT32_MIN.
+
+    Any such x is at or below the j-th largest sample key, so _warm_threshold's argument holds unchanged (at least
+    as many keys reach the key loop as with the j-th key itself, at most ~SLACK more); the window only lets the
+    search stop early. First probe: the row's sample mean + z sd, z the normal quantile of the window's middle rank
+    (one pass over the sample gives the moments, with its min / max); then _kth_interp's bracketed interpolation
+    (Illinois) aimed at the window's middle. If the bracket closes (hi = lo + 1) without a count in the window, lo
+    (more than j + SLACK j keys >= it) is taken."""
+    o_w = tl.arange(0, WARM)  # [WARM]
+    b_keys = _load_keys(key_rows[:, None] + o_w[None, :], (o_w[None, :] >= 0) & on[:, None], RAW)  # [R, WARM]
+    m_key = b_keys != INT32_MIN  # visible sample keys (on rows only)
+    n_real = tl.sum(m_key.to(tl.int32), axis=1)  # [R]
+    k_max = tl.max(tl.where(m_key, b_keys, INT32_MIN), axis=1)  # [R]
+    lo = tl.min(tl.where(m_key, b_keys, INT32_MAX), axis=1).to(tl.int64)  # [R] f(lo) = n_real
+    hi = k_max.to(tl.int64) + 1  # [R] f(hi) = 0
+    # moments about the row's max (fp32 sums of values <= 0: no cancellation against a large mean)
+    s_max = _key_to_score(k_max)  # [R]
+    b_d = tl.where(m_key, _key_to_score(b_keys) - s_max[:, None], 0.0)  # [R, WARM]
+    n_f = tl.maximum(n_real, 1).to(tl.float32)
+    d_mean = tl.sum(b_d, axis=1) / n_f
+    sd = tl.sqrt(tl.maximum(tl.sum(b_d * b_d, axis=1) / n_f - d_mean * d_mean, 0.0))  # [R]
+    j_hi = j + (j.to(tl.float32) * SLACK).to(tl.int32)  # [R] the window [j, j_hi]
+    target = (j + j_hi).to(tl.float32) * 0.5
+    z = _norm_tail_z(tl.minimum(tl.maximum(target / n_f, 1e-6), 0.5))
+    x0 = _score_to_key(s_max + d_mean + z * sd).to(tl.int64)  # [R] the first probe
+    found = ~on | (n_real <= j_hi)  # off rows: no search; tiny samples: lo (every key) is in the window
+    x_res = lo
+    live = ~found & (hi - lo > 1)  # [R]
+    f_lo = n_real.to(tl.float32)  # [R] the ends' counts as the interpolation uses them (Illinois)
+    f_hi = tl.zeros_like(f_lo)
+    side = tl.zeros_like(n_real)  # [R] the end the last pass moved: 1 lo, -1 hi
+    w_prev = (hi - lo) * 4
+    i_pass = 0
+    n_live = tl.sum(live.to(tl.int32), axis=0)
+    while n_live > 0:
+        width = hi - lo  # [R] int64, >= 2 on live rows
+        t = (f_lo - target) / tl.maximum(f_lo - f_hi, 1e-6)
+        step = (width.to(tl.float32) * t).to(tl.int64)
+        step = tl.where(16 * width > 15 * w_prev, width // 2, step)  # the last step cut < 1/16: bisect
+        step = tl.where(i_pass == 0, x0 - lo, step)
+        x = lo + tl.minimum(tl.maximum(step, 1), width - 1)  # [R] strictly inside (lo, hi)
+        c = tl.sum((b_keys >= x.to(tl.int32)[:, None]).to(tl.int32), axis=1)  # [R] sample keys >= x
+        hit = live & (c >= j) & (c <= j_hi)
+        up = live & (c > j_hi)
+        dn = live & (c < j)
+        x_res = tl.where(hit, x, x_res)
+        w_prev = tl.where(live, width, w_prev)
+        lo = tl.where(up, x, lo)
+        hi = tl.where(dn, x, hi)
+        f_hi = tl.where(up, tl.where(side == 1, (f_hi + target) * 0.5, f_hi), tl.where(dn, c.to(tl.float32), f_hi))
+        f_lo = tl.where(dn, tl.where(side == -1, (f_lo + target) * 0.5, f_lo), tl.where(up, c.to(tl.float32), f_lo))
+        side = tl.where(up, 1, tl.where(dn, -1, side))
+        x_res = tl.where(live & ~hit & (hi - lo <= 1), lo, x_res)  # closed: lo, more than j_hi keys >= it
+        live = live & ~hit & (hi - lo > 1)
+        n_live = tl.sum(live.to(tl.int32), axis=0)
+        i_pass += 1
+    return tl.where(on, (x_res - 1).to(tl.int32), INT32_MIN)
+
+
+@triton.jit
 def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n, o_d, m_d,
                     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
                     WARM: tl.constexpr, CHUNK_W: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr,
                     RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr, LANE_ROWS: tl.constexpr,
-                    RAW: tl.constexpr = False, KTH: tl.constexpr = 0):
-    """Each row's starting threshold key tau [R] (INT32_MIN: no warm start for that row).
+                    RAW: tl.constexpr = False, KTH: tl.constexpr = 0, PROFILE: tl.constexpr = False,
+                    INTERP: tl.constexpr = False, WARM_WIN: tl.constexpr = False, WARM_SLACK: tl.constexpr = 0.25):
+    """Each row's starting threshold key tau [R] (INT32_MIN: no warm start for that row), and (PROFILE) the
+    cycles of the sample's scoring and of its select.
 
     Only run when some row sees more than CAP keys (fewer never compact), so hi - lo > CAP >=
     WARM and the WARM sample indices are distinct. Row r with n visible keys and m visible
@@ -741,6 +837,7 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
     rule gives the same set. Otherwise the row ends with cnt < topk and the caller re-runs it
     from -inf. The sample itself is only a heuristic; it cannot change the result.
     """
+    t0 = _clock(PROFILE, INTERP)
     n_vis = tl.where(m_live, b_end - b_start, 0)  # [R]
     span = hi - lo
     m_smp = tl.zeros_like(n_vis)  # [R] visible samples per row
@@ -748,18 +845,24 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
         m_smp += _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
                               H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS=LANE_ROWS, RAW=RAW)
     tl.debug_barrier()  # sample keys visible to every thread
+    t1 = _clock(PROFILE, INTERP)
     j, on = _warm_rank(n_vis, m_smp, kk, CAP, WARM_Z, WARM_MIN)
-    j = tl.where(on, j, 1)
-    n_smp = tl.full([R], WARM, dtype=tl.int32)
-    if SEARCH2:
-        tau, _, _ = _kth_key2(key_rows, n_smp, j, R, WARM, RAW, KTH=KTH)
+    if WARM_WIN:  # Config.warm_search="window": a threshold whose sample count is in a window above j
+        thr = _warm_window(key_rows, j, on, R, WARM, WARM_SLACK, RAW)
     else:
-        o_hw = tl.arange(0, CHUNK_W)
-        tau = _kth_key(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W, RAW)
+        j = tl.where(on, j, 1)
+        n_smp = tl.full([R], WARM, dtype=tl.int32)
+        if SEARCH2:
+            tau, _, _ = _kth_key2(key_rows, n_smp, j, R, WARM, RAW, KTH=KTH)
+        else:
+            o_hw = tl.arange(0, CHUNK_W)
+            tau = _kth_key(key_rows, n_smp, j, o_hw, R, WARM, CHUNK_W, RAW)
+        # tau - 1: keys tied with the j-th sample key pass too (a sample value repeated across
+        # many keys, e.g. ReLU zeros, would otherwise send the row to the -inf re-run)
+        thr = tl.where(on, tau - 1, INT32_MIN)
     tl.debug_barrier()  # select done reading before the key loop overwrites the slots
-    # tau - 1: keys tied with the j-th sample key pass too (a sample value repeated across
-    # many keys, e.g. ReLU zeros, would otherwise send the row to the -inf re-run)
-    return tl.where(on, tau - 1, INT32_MIN)
+    t2 = _clock(PROFILE, INTERP)
+    return thr, t1 - t0, t2 - t1
 
 
 @triton.jit
@@ -792,15 +895,15 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
               APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False,
               RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, i_first=0,
-              BALLOT: tl.constexpr = False):
+              BALLOT: tl.constexpr = False, PROFILE: tl.constexpr = False, c_cmp=0, n_cmp=0):
     """The row block's key loop (its tiles from i_first, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask), 2 "warps" (_key_warps: the key groups'
     regions of KEY_GROUPS x F slots from reg0, counts cnt_g; a compaction packs them into the prefix [0, cnt) and
     splits the free rest anew). RAW (mask, warps): raw-bit buffers, the candidate test against the segment's fp32
     bound. BALLOT (warps, Config.group_mask="ballot"): the tile loop carries the next free slots as [KEY_GROUPS, NG, R]
-    (_key_warps). ABLATE >= 6 (benchmarks, no candidates): one segment, no free-space bound. Returns (cnt, cnt_g, reg0,
-    F, thr, b_max)."""
+    (_key_warps). ABLATE >= 6 (benchmarks, no candidates): one segment, no free-space bound. PROFILE: c_cmp / n_cmp
+    (int64) gain the compactions' cycles and count. Returns (cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp)."""
     WARPS: tl.constexpr = APPEND == 2
     NG: tl.constexpr = BLOCK_N // KEY_GROUPS
     i_n = i_first
@@ -813,6 +916,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                 free = F - tl.max(tl.max(cnt_g, axis=1), axis=0)
                 if free < MIN_FREE // KEY_GROUPS:
                     tl.debug_barrier()  # appends of earlier tiles visible to all threads
+                    t0 = _clock(PROFILE, WHILE_LOOPS)
                     kth, _ = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP,
                                         CHUNK, SEARCH2, RAW, cnt_g, True, KTH)
                     thr = tl.maximum(thr, kth)
@@ -821,14 +925,23 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                     reg0 = tl.max(cnt, axis=0)
                     F = (CAP - reg0) // KEY_GROUPS  # >= MIN_FREE // KEY_GROUPS + NG (CAP >= kk + 2 MIN_FREE)
                     free = F
+                    if PROFILE:
+                        tl.debug_barrier()
+                        c_cmp += _clock(PROFILE, WHILE_LOOPS) - t0
+                        n_cmp += 1
                 n_seg = tl.minimum(n_seg, free // NG)
             else:
                 if CAP - tl.max(cnt, axis=0) < MIN_FREE:
                     tl.debug_barrier()  # appends of earlier tiles visible to all threads
+                    t0 = _clock(PROFILE, WHILE_LOOPS)
                     kth, _ = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
                                         False, False, R, CAP, CHUNK, SEARCH2, RAW, KTH=KTH)
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(cnt, kk)
+                    if PROFILE:
+                        tl.debug_barrier()
+                        c_cmp += _clock(PROFILE, WHILE_LOOPS) - t0
+                        n_cmp += 1
                 n_seg = tl.minimum(n_seg, (CAP - tl.max(cnt, axis=0)) // BLOCK_N)
             if ABLATE >= 6:  # ablation (no candidates: nothing can overflow): the rest of the tiles in one segment
                 n_seg = n_tiles - i_n
@@ -864,7 +977,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
             cnt_g = nxt
         if WARPS:
             cnt_g -= reg0 + (tl.arange(0, KEY_GROUPS) * F)[:, None]
-    return cnt, cnt_g, reg0, F, thr, b_max
+    return cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp
 
 
 @triton.jit
@@ -873,6 +986,7 @@ def hytopk_kernel(
     out_idx_ptr, out_val_ptr,  # SELECT: [T, topk] int32 / fp32 (WRITE_SCORES); floor: out_val [T] row max
     buf_key_ptr, buf_idx_ptr,  # scratch int32 [programs, R, CAP]
     stats_ptr,  # WARM: int32 [3] += rows warm-started, rows re-run from -inf, row blocks re-run
+    prof_ptr,  # PROFILE: int64 [P_N] += cycles / counts per phase (the P_* constants)
     T, S, kk, n_blocks, n_p,  # n_p: programs in the (persistent) grid
     H: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, R: tl.constexpr,
     BLOCK_N: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr, MIN_FREE: tl.constexpr,
@@ -881,13 +995,26 @@ def hytopk_kernel(
     WARM: tl.constexpr = 0, CHUNK_W: tl.constexpr = 1, WARM_Z: tl.constexpr = 4.0, WARM_MIN: tl.constexpr = 16,
     APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False, LAZY_MAX: tl.constexpr = False,
     RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, WARM_HEAD: tl.constexpr = False,
-    BALLOT: tl.constexpr = False,
+    BALLOT: tl.constexpr = False, PROFILE: tl.constexpr = False, WARM_WIN: tl.constexpr = False,
+    WARM_SLACK: tl.constexpr = 0.25,
 ):
     """ABLATE (bench/topk.py --parts ablate only, via op.hytopk_ablation; the output is not a valid selection): 1 skips
     the final select and its output writes, 2 lets no key become a candidate in the key loop (no appends, hence no
     compactions; every instruction of the loop still runs), 3 both; 6 / 7: 2 / 3 with the key loop in one segment
     (no segment bound: the cost of the segments' pipeline restarts). Timing these against the full kernel splits
-    its cost over the key loop's code, its appends and compactions, and the final select."""
+    its cost over the key loop's code, its appends and compactions, and the final select.
+    PROFILE (op.hytopk_profile; the output stays the selection): each program adds its phases' clock64 cycles and
+    counts to prof_ptr (P_*)."""
+    t_start = _clock(PROFILE, WHILE_LOOPS)
+    c_setup = t_start * 0  # PROFILE: int64 cycle / count accumulators (P_*)
+    c_smp = c_setup
+    c_wsel = c_setup
+    c_loop = c_setup
+    c_cmp = c_setup
+    c_rerun = c_setup
+    c_final = c_setup
+    n_blk = c_setup
+    n_cmp = c_setup
     i_p = tl.program_id(0)
     RH: tl.constexpr = R * H
     o_d = tl.arange(0, D_P2)  # [D_P2]
@@ -902,6 +1029,7 @@ def hytopk_kernel(
     # row blocks in descending order: with causal bounds the costliest first, for balance
     i_w = i_p
     while i_w < n_blocks:
+        t0 = _clock(PROFILE, WHILE_LOOPS)
         i_blk = n_blocks - 1 - i_w
         o_t = i_blk * R + o_r  # [R] query rows
         m_t = o_t < T
@@ -936,35 +1064,52 @@ def hytopk_kernel(
                     _fill_none(key_rows, cnt, R, CAP, CHUNK)
                     tl.debug_barrier()
                 if warm_on:
+                    t1 = _clock(PROFILE, WHILE_LOOPS)
+                    c_setup += t1 - t0
                     n_head = tl.minimum(n_tiles, WARM // BLOCK_N)  # WARM <= CAP: no compaction among them
-                    cnt, cnt_g, reg0, F, thr, b_max = _key_loop(
+                    cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp = _key_loop(
                         n_head, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max,
                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU,
                         SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH,
-                        ABLATE=ABLATE, BALLOT=BALLOT)
+                        ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp)
                     thr, cnt, cnt_g, reg0, F = _head_threshold(
                         key_rows, idx_rows, cnt, cnt_g, kk, tl.where(m_live, b_end - b_start, 0), m_t, R, CAP, CHUNK,
                         WARM_Z, WARM_MIN, SEARCH2, RAW, APPEND == 2, KTH)
                     i_first = n_head
+                    t0 = _clock(PROFILE, WHILE_LOOPS)
+                    c_smp += t0 - t1  # the head's tiles and threshold (its select: P_SAMPLE too)
             else:
                 if warm_on:
-                    thr = _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n,
-                                          o_d, m_d, H, D, R, BLOCK_N, CAP, WARM, CHUNK_W, WARM_Z, WARM_MIN,
-                                          RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH)
+                    c_setup += _clock(PROFILE, WHILE_LOOPS) - t0
+                    thr, dt_smp, dt_sel = _warm_threshold(
+                        lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n, o_d, m_d, H, D, R,
+                        BLOCK_N, CAP, WARM, CHUNK_W, WARM_Z, WARM_MIN, RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS,
+                        RAW=RAW, KTH=KTH, PROFILE=PROFILE, INTERP=WHILE_LOOPS, WARM_WIN=WARM_WIN,
+                        WARM_SLACK=WARM_SLACK)
+                    c_smp += dt_smp
+                    c_wsel += dt_sel
+                    t0 = _clock(PROFILE, WHILE_LOOPS)
                 if APPEND == 2:  # append="warps": every slot a hole (RAW_NONE) before the regions fill (after
                     _fill_none(key_rows, cnt, R, CAP, CHUNK)  # the warm sample's select read its slots)
                     tl.debug_barrier()
+            c_setup += _clock(PROFILE, WHILE_LOOPS) - t0
             on = thr > INT32_MIN  # [R] rows started from a sampled threshold
             n_on = tl.sum(on.to(tl.int32), axis=0)
             n_fail = n_on * 0
             n_pass = n_on * 0 + 1
             i_pass = n_on * 0
             while i_pass < n_pass:
-                cnt, cnt_g, reg0, F, thr, b_max = _key_loop(
+                t0 = _clock(PROFILE, WHILE_LOOPS)
+                cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp = _key_loop(
                     n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                     idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                     WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH, ABLATE=ABLATE,
-                    i_first=i_first, BALLOT=BALLOT)
+                    i_first=i_first, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp)
+                if PROFILE:
+                    tl.debug_barrier()
+                    dt = _clock(PROFILE, WHILE_LOOPS) - t0
+                    c_loop += tl.where(i_pass == 0, dt, 0)
+                    c_rerun += tl.where(i_pass == 0, 0, dt)
                 i_first = i_first * 0  # a re-run starts from the first tile
                 # fewer than topk keys above tau: re-run the row from -inf; rows that succeeded
                 # keep their buffers and append nothing more (no key is > INT32_MAX)
@@ -990,12 +1135,18 @@ def hytopk_kernel(
             if APPEND == 2 and SELECT:
                 _fill_none(key_rows, cnt, R, CAP, CHUNK)
                 tl.debug_barrier()
-            cnt, cnt_g, reg0, F, thr, b_max = _key_loop(
+            t1 = _clock(PROFILE, WHILE_LOOPS)
+            c_setup += t1 - t0
+            cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp = _key_loop(
                 n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                 idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                 WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, KTH=KTH,
-                ABLATE=ABLATE, BALLOT=BALLOT)
+                ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp)
+            if PROFILE:
+                tl.debug_barrier()
+                c_loop += _clock(PROFILE, WHILE_LOOPS) - t1
 
+        t0 = _clock(PROFILE, WHILE_LOOPS)
         if SELECT and (ABLATE % 2 == 1):
             tl.debug_barrier()  # ablation: no final select, no output (the next row block reuses the scratch)
         elif SELECT:
@@ -1021,4 +1172,18 @@ def hytopk_kernel(
                 tl.store(out_val_ptr + o_t, tl.max(b_max, axis=0), mask=m_t)
             else:
                 tl.store(out_val_ptr + o_t, b_max, mask=m_t)
+        if PROFILE:
+            c_final += _clock(PROFILE, WHILE_LOOPS) - t0
+            n_blk += 1
         i_w += n_p
+    if PROFILE:
+        tl.atomic_add(prof_ptr + P_TOTAL, _clock(PROFILE, WHILE_LOOPS) - t_start)
+        tl.atomic_add(prof_ptr + P_SETUP, c_setup)
+        tl.atomic_add(prof_ptr + P_SAMPLE, c_smp)
+        tl.atomic_add(prof_ptr + P_WSEL, c_wsel)
+        tl.atomic_add(prof_ptr + P_LOOP, c_loop)
+        tl.atomic_add(prof_ptr + P_CMP, c_cmp)
+        tl.atomic_add(prof_ptr + P_RERUN, c_rerun)
+        tl.atomic_add(prof_ptr + P_FINAL, c_final)
+        tl.atomic_add(prof_ptr + P_BLOCKS, n_blk)
+        tl.atomic_add(prof_ptr + P_NCMP, n_cmp)

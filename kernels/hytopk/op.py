@@ -22,6 +22,7 @@ WARM_Z = 4.0  # warm start: sampled quantile this many binomial standard deviati
 WARM_MIN = 16  # warm start: fewest visible sample keys a row needs to use it
 KTH_SEARCHES = ("radix", "interp")  # Config.kth_search values
 WARM_SAMPLES = ("spread", "head")  # Config.warm_sample values
+WARM_SEARCHES = ("kth", "window")  # Config.warm_search values (kernel constexpr WARM_WIN)
 APPENDS = ("tile", "mask", "warps")  # Config.append values (kernel constexpr APPEND = index)
 KEY_GROUPS = 4  # append="warps": key groups per tile (kernel constant KEY_GROUPS: one warpgroup's 4 warps)
 GROUP_MASKS = ("sum", "ballot")  # Config.group_mask values (kernel constexpr BALLOT)
@@ -125,6 +126,14 @@ class Config:
     # (session 16, bench/topk.py --ab-rounds 7): H 64 68.95 -> 68.16 ms (x floor 1.213 -> 1.199), H 32 42.51 -> 42.39;
     # if the layout check fails there, it logs a warning, re-runs the call with "sum" and stays on "sum".
     group_mask: str = "sum"
+    # warm_sample="spread": how the threshold comes from the sample. "kth": the j-th largest sample key exactly
+    # (j a binomial margin above the row's expected share, see _warm_threshold), by the select Config.kth_search
+    # names (~10-14 counting passes over the 1024 keys at 64K). "window": any key whose sample count lies in
+    # [j, j + warm_slack j] (so at or below the j-th: the same guarantee, up to warm_slack more candidates), found by
+    # an interpolation search whose first probe is the sample's mean + z sd (z the normal quantile of the window's
+    # middle rank); it stops at the first count inside the window. Exact either way (the fallback re-run).
+    warm_search: str = "kth"
+    warm_slack: float = 0.25  # warm_search="window": the window's width, a fraction of j
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -151,6 +160,14 @@ def check_config(cfg: Config, interpret: bool) -> None:
           f"radix-pass shortcut), got search_bits={cfg.search_bits}, select_prefix={cfg.select_prefix}")
     check(cfg.warm_sample in WARM_SAMPLES,
           f"hytopk: Config.warm_sample must be one of {WARM_SAMPLES}, got {cfg.warm_sample!r}")
+    check(cfg.warm_search in WARM_SEARCHES,
+          f"hytopk: Config.warm_search must be one of {WARM_SEARCHES}, got {cfg.warm_search!r}")
+    check(cfg.warm_search == "kth" or cfg.warm_sample == "spread",
+          f"hytopk: Config.warm_search={cfg.warm_search!r} is built for warm_sample='spread', got "
+          f"warm_sample={cfg.warm_sample!r}; use warm_search='kth' with the head sample")
+    check(0.0 <= cfg.warm_slack <= 4.0,
+          f"hytopk: Config.warm_slack must be in [0, 4] (the window's width as a fraction of the sample rank j), "
+          f"got {cfg.warm_slack}")
     check(cfg.group_mask in GROUP_MASKS,
           f"hytopk: Config.group_mask must be one of {GROUP_MASKS}, got {cfg.group_mask!r}")
     check(cfg.head_sum in HEAD_SUMS, f"hytopk: Config.head_sum must be one of {HEAD_SUMS}, got {cfg.head_sum!r}")
@@ -237,7 +254,8 @@ def lane_rows(cfg: Config, R: int, H: int) -> bool:
 
 
 def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, relu: bool, write_scores: bool,
-                      ieee: bool, interp: bool, lazy_max: bool = False, ablate: int = 0) -> dict:
+                      ieee: bool, interp: bool, lazy_max: bool = False, ablate: int = 0,
+                      profile: bool = False) -> dict:
     """hytopk_kernel's constexpr arguments for a launch (also what AOT compiles for sm_90a pass).
     ``lazy_max``: the floor (select=False) keeps a per-element running max, reduced once after the key loop."""
     R, cap, chunk, min_free, d_p2 = _geometry(H, D, topk, cfg)
@@ -251,7 +269,9 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 RAW=bool(cfg.raw_keys) and bool(select) and cfg.append in ("mask", "warps"),
                 KTH=_kth_mode(cfg, select), ABLATE=int(ablate),
                 WARM_HEAD=bool(select) and warm > 0 and cfg.warm_sample == "head",
-                BALLOT=bool(select) and cfg.group_mask == "ballot" and ballot_applies(cfg, R, H))
+                BALLOT=bool(select) and cfg.group_mask == "ballot" and ballot_applies(cfg, R, H),
+                PROFILE=bool(profile), WARM_WIN=bool(select) and warm > 0 and cfg.warm_search == "window",
+                WARM_SLACK=float(cfg.warm_slack))
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):
@@ -263,15 +283,17 @@ def _warm_geometry(cap: int, chunk: int, cfg: Config):
 
 
 def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, config: Config | None = None,
-            lazy_max: bool = False, ablate: int = 0):
-    """Run the Triton kernel. select=False runs the no-selection floor (returns the row max)."""
+            lazy_max: bool = False, ablate: int = 0, prof: torch.Tensor | None = None):
+    """Run the Triton kernel. select=False runs the no-selection floor (returns the row max). ``prof``: int64
+    [len(PROFILE_PHASES)] that the PROFILE kernel adds its phase counters to (hytopk_profile)."""
     T, H, D = q.shape
     S = k.shape[0]
     interp = interpreter_active()
     cfg = config or default_config(H, topk, interp)
     check_config(cfg, interp)
     meta = kernel_constexprs(cfg, H, D, topk, select=select, relu=relu, write_scores=select and return_scores,
-                             ieee=q.dtype == torch.float32, interp=interp, lazy_max=lazy_max, ablate=ablate)
+                             ieee=q.dtype == torch.float32, interp=interp, lazy_max=lazy_max, ablate=ablate,
+                             profile=prof is not None)
     R, cap, warm = meta["R"], meta["CAP"], meta["WARM"]
     if select and cfg.group_mask == "ballot" and not meta["BALLOT"] and cfg not in _ballot_ignored:
         _ballot_ignored.add(cfg)
@@ -300,12 +322,13 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     if T == 0:
         return (out_idx, out_val) if (return_scores or not select) else out_idx
     kern = _kernel.hytopk_kernel[(n_prog,)](
-        q, w, k, starts, ends, out_idx, out_val, scratch[0], scratch[1], stats,
+        q, w, k, starts, ends, out_idx, out_val, scratch[0], scratch[1], stats, stats if prof is None else prof,
         T, S, topk, n_blocks, n_prog, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if meta["BALLOT"] and not interp and not _ballot_guard(kern, explicit=config is not None):
         return _launch(q, w, k, starts, ends, topk, relu, return_scores, select=select,  # the default, re-run
-                       config=replace(cfg, group_mask="sum"), lazy_max=lazy_max, ablate=ablate)
+                       config=replace(cfg, group_mask="sum"), lazy_max=lazy_max, ablate=ablate,
+                       prof=None if prof is None else prof.zero_())
     if warm:
         global _warm_stats
         _warm_stats = stats
@@ -475,6 +498,23 @@ def hytopk_ablation(q, w, k, starts, ends, topk: int, ablate: int, relu: bool = 
     indices: NOT a selection. Never call this for results."""
     check(ablate in ABLATIONS, f"hytopk_ablation: ablate must be one of {sorted(ABLATIONS)}, got {ablate}")
     return _launch(q, w, k, starts, ends, topk, relu, False, config=config, ablate=ablate)
+
+
+# hytopk_profile's counters, in the kernel's P_* order: cycles (clock64, summed over programs) then counts
+PROFILE_PHASES = ("total", "setup", "warm sample", "warm select", "key loop", "compactions", "re-runs", "final select",
+                  "row blocks", "n compactions")
+
+
+def hytopk_profile(q, w, k, starts, ends, topk: int, relu: bool = True,
+                   config: Config | None = None) -> tuple[torch.Tensor, dict]:
+    """Benchmark instrument (bench/topk.py --parts profile): HyTopK with each persistent program reading the SM's
+    clock64 at its phase boundaries. Returns (indices, counters): the indices are the normal selection; counters
+    maps PROFILE_PHASES to ints: cycles summed over programs ("compactions" is part of "key loop" / "re-runs"),
+    then the row blocks and compactions run. Cycles are 0 under the interpreter (the counts are real). The clock
+    reads and their barriers slow the kernel a little: time the plain op, use this for the split."""
+    prof = torch.zeros(len(PROFILE_PHASES), dtype=torch.int64, device=q.device)
+    out = _launch(q, w, k, starts, ends, topk, relu, False, config=config, prof=prof)
+    return out, dict(zip(PROFILE_PHASES, prof.tolist()))
 
 
 __all__ = ["hytopk", "hytopk_floor", "Config", "default_config", "interpreter_active", "MAX_TOPK", "replace",
