@@ -38,11 +38,12 @@ def compactions(monkeypatch):
     return calls
 
 
-def _profiled(q, w, k, st, en, topk, relu, cfg):
+def _profiled(q, w, k, st, en, topk, relu, cfg, reference=True):
     plain = hytopk(q, w, k, st, en, topk, relu=relu, config=cfg)
     idx, prof = op.hytopk_profile(q, w, k, st, en, topk, relu=relu, config=cfg)
     assert torch.equal(idx, plain), "the profiled launch selected differently"
-    _assert_reference_sets(idx, q, w, k, st, en, topk, relu)
+    if reference:  # (bf16 on the GPU: the other GPU suites check the plain launch's sets)
+        _assert_reference_sets(idx, q, w, k, st, en, topk, relu)
     assert set(prof) == set(op.PROFILE_PHASES)
     return prof
 
@@ -81,7 +82,7 @@ def test_gpu_phases(T, H):
     """bf16 causal at real shapes: the default launch's selection unchanged; every phase that runs has cycles,
     the phases (compactions excluded: part of the key loop) sum to at most the programs' total."""
     q, w, k, st, en = gpu_causal_inputs(T, H)
-    prof = _profiled(q, w, k, st, en, 2048, True, None)
+    prof = _profiled(q, w, k, st, en, 2048, True, None, reference=False)
     assert prof["row blocks"] == T // op._rows(op.default_config(H, 2048), H)
     for c in ("total", "setup", "warm sample", "warm select", "key loop", "final select"):
         assert prof[c] > 0, (c, prof)

@@ -157,7 +157,22 @@ def test_config_errors():
         op.check_config(op.Config(warm_search="window", warm_sample="head"), False)
     with pytest.raises(ValueError, match="warm_slack must be in"):
         op.check_config(op.Config(warm_search="window", warm_slack=-0.1), False)
+    with pytest.raises(ValueError, match="warm_z must be in"):
+        op.check_config(op.Config(warm_z=-0.5), False)
     op.check_config(op.Config(warm_search="window"), False)
+
+
+@interp
+@pytest.mark.parametrize("search", ["kth", "window"])
+def test_thin_margin_falls_back(search):
+    """warm_z 0 (the threshold at the expected rank: often above the row's k-th key): rows re-run from -inf, the selection stays exact."""
+    T, S, H, topk = 9, 300, 2, 12
+    q, w, k = _inputs(T, S, H, seed=21)
+    st, en = causal_bounds(T, S, offset=S - T)
+    idx = hytopk(q, w, k, st, en, topk, config=_interp_cfg(H, topk, warm_start=64, warm_z=0.0, warm_search=search))
+    stats = op.warm_stats()
+    assert stats["warm_rows"] == T and stats["fallback_rows"] > 0, stats
+    _assert_reference_sets(idx, q, w, k, st, en, topk, True)
 
 
 @pytest.mark.gpu

@@ -134,6 +134,9 @@ class Config:
     # middle rank); it stops at the first count inside the window. Exact either way (the fallback re-run).
     warm_search: str = "kth"
     warm_slack: float = 0.25  # warm_search="window": the window's width, a fraction of j
+    # the warm start's safety margin: the sample rank j sits this many binomial standard deviations above the
+    # row's expected count (fewer: fewer candidates and compactions, more rows re-run from -inf)
+    warm_z: float = WARM_Z
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -168,6 +171,8 @@ def check_config(cfg: Config, interpret: bool) -> None:
     check(0.0 <= cfg.warm_slack <= 4.0,
           f"hytopk: Config.warm_slack must be in [0, 4] (the window's width as a fraction of the sample rank j), "
           f"got {cfg.warm_slack}")
+    check(0.0 <= cfg.warm_z <= 8.0, f"hytopk: Config.warm_z must be in [0, 8] (standard deviations of margin), "
+          f"got {cfg.warm_z}")
     check(cfg.group_mask in GROUP_MASKS,
           f"hytopk: Config.group_mask must be one of {GROUP_MASKS}, got {cfg.group_mask!r}")
     check(cfg.head_sum in HEAD_SUMS, f"hytopk: Config.head_sum must be one of {HEAD_SUMS}, got {cfg.head_sum!r}")
@@ -263,7 +268,7 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
     return dict(H=H, D=D, D_P2=d_p2, R=R, BLOCK_N=cfg.block_n, CAP=cap, CHUNK=chunk, MIN_FREE=min_free,
                 RELU=bool(relu), SELECT=bool(select), WRITE_SCORES=bool(write_scores), IEEE=bool(ieee),
                 WHILE_LOOPS=bool(interp), SEARCH2=cfg.search_bits == 2, WARM=warm, CHUNK_W=chunk_w,
-                WARM_Z=WARM_Z, WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
+                WARM_Z=float(cfg.warm_z), WARM_MIN=WARM_MIN, APPEND=APPENDS.index(cfg.append),
                 LANE_ROWS=(1 + HEAD_SUMS.index(cfg.head_sum)) if lane_rows(cfg, R, H) else 0,
                 LAZY_MAX=bool(lazy_max) and not select,
                 RAW=bool(cfg.raw_keys) and bool(select) and cfg.append in ("mask", "warps"),
