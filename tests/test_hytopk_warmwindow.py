@@ -1,4 +1,5 @@
-"""HyTopK's windowed warm-start threshold, Config.warm_search="window" (_kernel._warm_window).
+"""HyTopK's warm-start tuning: the windowed threshold search (Config.warm_search="window", _kernel._warm_window),
+the sample sized by row length (Config.warm_mu) and the margin (Config.warm_z).
 
 The contract of _warm_window, checked directly on crafted sample buffers (a small test kernel, the interpreter on
 CPU): for each searching row with window [j, j_hi = j + floor(warm_slack j)] it returns thr = x - 1 where the count c
@@ -29,13 +30,13 @@ INT32_MIN = -(2**31)
 
 
 @triton.jit
-def _window_kernel(buf_ptr, j_ptr, on_ptr, out_ptr, R: tl.constexpr, WARM: tl.constexpr, SLACK: tl.constexpr,
+def _window_kernel(buf_ptr, j_ptr, on_ptr, out_ptr, m_w, R: tl.constexpr, WARM: tl.constexpr, SLACK: tl.constexpr,
                    RAW: tl.constexpr):
     o_r = tl.arange(0, R)
     key_rows = buf_ptr + o_r.to(tl.int64) * WARM  # [R] row pointers
     j = tl.load(j_ptr + o_r)
     on = tl.load(on_ptr + o_r) != 0
-    tl.store(out_ptr + o_r, _kernel._warm_window(key_rows, j, on, R, WARM, SLACK, RAW))
+    tl.store(out_ptr + o_r, _kernel._warm_window(key_rows, j, on, R, WARM, SLACK, RAW, m_w))
 
 
 def _keys(sc: torch.Tensor) -> torch.Tensor:
@@ -44,15 +45,18 @@ def _keys(sc: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
-def _run(scores: torch.Tensor, vis: torch.Tensor, j: torch.Tensor, on: torch.Tensor, slack: float, raw: bool):
-    """The window kernel on rows of sample scores [R, WARM] (vis: visible slots): thresholds [R] int32."""
+def _run(scores: torch.Tensor, vis: torch.Tensor, j: torch.Tensor, on: torch.Tensor, slack: float, raw: bool,
+         m_w: int | None = None):
+    """The window kernel on rows of sample scores [R, WARM] (vis: visible slots; slots from m_w on are not part
+    of the sample): thresholds [R] int32."""
     R, W = scores.shape
     if raw:  # the buffer's RAW format: the fp32 bits, -1 (a NaN, key INT32_MIN) where not visible
         buf = torch.where(vis, scores.view(torch.int32), torch.full_like(scores, -1, dtype=torch.int32))
     else:
         buf = torch.where(vis, _keys(scores), torch.full_like(scores, INT32_MIN, dtype=torch.int32))
     out = torch.full((R,), 12345, dtype=torch.int32)
-    _window_kernel[(1,)](buf.contiguous(), j.int(), on.int(), out, R=R, WARM=W, SLACK=slack, RAW=raw)
+    _window_kernel[(1,)](buf.contiguous(), j.int(), on.int(), out, W if m_w is None else m_w, R=R, WARM=W,
+                         SLACK=slack, RAW=raw)
     return out
 
 
@@ -110,6 +114,20 @@ def test_window_contract(kind, raw):
 
 
 @interp
+def test_window_sample_prefix():
+    """A sample of m_w < WARM slots (Config.warm_mu): the slots after it hold stale keys from an earlier use of the
+    buffer, which must not count."""
+    sc = _case("normal", seed=5)
+    sc[:, 128:] = 1e6  # stale: above every sample key
+    vis = torch.ones_like(sc, dtype=torch.bool)
+    j = torch.tensor([10, 20, 30, 40])
+    on = torch.ones(4, dtype=torch.bool)
+    thr = _run(sc, vis, j, on, 0.25, True, m_w=128)
+    vis[:, 128:] = False
+    _assert_window(sc, vis, j, on, 0.25, thr)
+
+
+@interp
 def test_window_small_sample():
     """A row with no more than j_hi visible keys takes its smallest key (every sample key passes)."""
     sc = _case("normal", seed=3)
@@ -150,6 +168,44 @@ def test_packed_segments():
     _assert_reference_sets(idx, q, w, k, st, en, 8, True)
 
 
+@interp
+def test_warm_mu_sample_size():
+    """Config.warm_mu: the kernel samples warm_mu * span / topk keys (whole tiles; op.warm_sample_positions says
+    which): 8 huge keys planted among its 32 sampled positions (the rest 0) put every row's threshold among the
+    huge ones (j = 7 with mu 1.5), so every row re-runs from -inf; the fixed 64-key sample (j 10: past the huge
+    ones) needs no re-run on the same data. Both exact."""
+    T, S, H, topk, warm, mu = 6, 256, 2, 12, 64, 1.5
+    cfg = _interp_cfg(H, topk, warm_start=warm, warm_mu=mu)
+    pos = op.warm_sample_positions(0, S, warm, topk, mu, cfg.block_n)
+    assert len(set(pos)) == len(pos) == 32
+    g = torch.Generator().manual_seed(11)
+    q = torch.rand(T, H, 16, generator=g) + 0.1
+    w = torch.rand(T, H, generator=g) + 0.1
+    k = torch.randn(S, 16, generator=g)
+    for i, p in enumerate(pos):
+        k[p] = 100.0 * (torch.rand(16, generator=g) + 0.1) if i % 4 == 0 else 0.0
+    st = torch.zeros(T, dtype=torch.int32)
+    en = torch.full((T,), S, dtype=torch.int32)
+    for search in ("kth", "window"):
+        idx = hytopk(q, w, k, st, en, topk, config=op.replace(cfg, warm_search=search))
+        assert op.warm_stats() == dict(warm_rows=T, fallback_rows=T, fallback_blocks=-(-T // op._rows(cfg, H)))
+        _assert_reference_sets(idx, q, w, k, st, en, topk, True)
+    idx = hytopk(q, w, k, st, en, topk, config=op.replace(cfg, warm_mu=0.0))
+    assert op.warm_stats()["fallback_rows"] == 0, op.warm_stats()
+    _assert_reference_sets(idx, q, w, k, st, en, topk, True)
+
+
+@interp
+@pytest.mark.parametrize("T,S,topk", [(7, 150, 8), (5, 700, 12)])
+def test_warm_mu_selection(T, S, topk):
+    """Causal ragged rows, warm_mu sizing samples between 2 tiles and warm_start: the reference's sets."""
+    q, w, k = _inputs(T, S, 2, seed=T + 1)
+    st, en = causal_bounds(T, S, offset=S - T)
+    idx = hytopk(q, w, k, st, en, topk, config=_interp_cfg(2, topk, warm_start=256, warm_mu=4.0))
+    assert op.warm_stats()["warm_rows"] == T
+    _assert_reference_sets(idx, q, w, k, st, en, topk, True)
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="warm_search must be one of"):
         op.check_config(op.Config(warm_search="approx"), False)
@@ -157,6 +213,10 @@ def test_config_errors():
         op.check_config(op.Config(warm_search="window", warm_sample="head"), False)
     with pytest.raises(ValueError, match="warm_slack must be in"):
         op.check_config(op.Config(warm_search="window", warm_slack=-0.1), False)
+    with pytest.raises(ValueError, match="warm_mu must be >= 0"):
+        op.check_config(op.Config(warm_mu=-1.0), False)
+    with pytest.raises(ValueError, match="sizes the spread sample"):
+        op.check_config(op.Config(warm_mu=32.0, warm_sample="head"), False)
     with pytest.raises(ValueError, match="warm_z must be in"):
         op.check_config(op.Config(warm_z=-0.5), False)
     op.check_config(op.Config(warm_search="window"), False)

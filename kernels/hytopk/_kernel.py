@@ -677,16 +677,18 @@ def _key_warps(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, nxt, key_rows, idx
 @triton.jit
 def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
                  H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, WARM: tl.constexpr,
-                 RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr, RAW: tl.constexpr = False):
-    """Warm-start sample slots [i_t, i_t + BLOCK_N): key index lo + slot * span // WARM.
+                 RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr, RAW: tl.constexpr, m_w):
+    """Warm-start sample slots [i_t, i_t + BLOCK_N) of m_w (WARM, or Config.warm_mu's size: <= WARM, a multiple of
+    BLOCK_N): key index lo + slot * (span // m_w) (until session 17 lo + slot * span // WARM: a 64-bit product and
+    division per key, and spills in the sample loop).
 
     Scores them with the main loop's code (same MMA, activation, weights, head sum, int32 key)
     and writes each row's key into slot ``slot`` of its buffer (INT32_MIN where the key is not
     visible to the row: never counted by the select). Returns visible samples per row [R].
     """
     o_i = i_t + o_n  # [BLOCK_N] sample slots
-    m_i = o_i < WARM
-    o_s = lo + ((o_i.to(tl.int64) * span) // WARM).to(tl.int32)  # [BLOCK_N] distinct key indices
+    m_i = o_i < m_w
+    o_s = lo + o_i * (span // m_w)  # [BLOCK_N] distinct key indices (span > CAP >= WARM >= m_w)
     b_k = tl.load(k_ptr + o_s.to(tl.int64)[:, None] * D + o_d[None, :],
                   mask=m_i[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
     sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)  # [BLOCK_N, R]
@@ -746,9 +748,10 @@ def _norm_tail_z(p):
 
 
 @triton.jit
-def _warm_window(key_rows, j, on, R: tl.constexpr, WARM: tl.constexpr, SLACK: tl.constexpr, RAW: tl.constexpr):
+def _warm_window(key_rows, j, on, R: tl.constexpr, WARM: tl.constexpr, SLACK: tl.constexpr, RAW: tl.constexpr,
+                 m_w):
     """Config.warm_search="window": per row a key x whose count of sample keys >= x lies in [j, j + SLACK j]; the
-    threshold is x - 1. Rows off (on False) get INT32_MIN.
+    threshold is x - 1. Rows off (on False) get INT32_MIN. The sample: slots [0, m_w).
 
     Any such x is at or below the j-th largest sample key, so _warm_threshold's argument holds unchanged (at least
     as many keys reach the key loop as with the j-th key itself, at most ~SLACK more); the window only lets the
@@ -757,7 +760,7 @@ def _warm_window(key_rows, j, on, R: tl.constexpr, WARM: tl.constexpr, SLACK: tl
     (Illinois) aimed at the window's middle. If the bracket closes (hi = lo + 1) without a count in the window, lo
     (more than j + SLACK j keys >= it) is taken."""
     o_w = tl.arange(0, WARM)  # [WARM]
-    b_keys = _load_keys(key_rows[:, None] + o_w[None, :], (o_w[None, :] >= 0) & on[:, None], RAW)  # [R, WARM]
+    b_keys = _load_keys(key_rows[:, None] + o_w[None, :], (o_w[None, :] < m_w) & on[:, None], RAW)  # [R, WARM]
     m_key = b_keys != INT32_MIN  # visible sample keys (on rows only)
     n_real = tl.sum(m_key.to(tl.int32), axis=1)  # [R]
     k_max = tl.max(tl.where(m_key, b_keys, INT32_MIN), axis=1)  # [R]
@@ -813,9 +816,16 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
                     WARM: tl.constexpr, CHUNK_W: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr,
                     RELU: tl.constexpr, IEEE: tl.constexpr, SEARCH2: tl.constexpr, LANE_ROWS: tl.constexpr,
                     RAW: tl.constexpr = False, KTH: tl.constexpr = 0, PROFILE: tl.constexpr = False,
-                    INTERP: tl.constexpr = False, WARM_WIN: tl.constexpr = False, WARM_SLACK: tl.constexpr = 0.25):
+                    INTERP: tl.constexpr = False, WARM_WIN: tl.constexpr = False, WARM_SLACK: tl.constexpr = 0.25,
+                    WARM_MU: tl.constexpr = 0.0):
     """Each row's starting threshold key tau [R] (INT32_MIN: no warm start for that row), and (PROFILE) the
     cycles of the sample's scoring and of its select.
+
+    The sample: WARM keys, or (WARM_MU > 0, Config.warm_mu) m = WARM_MU * (hi - lo) / kk rounded up to whole tiles,
+    at least 2 tiles and at most WARM, so that a row's expected sample count above its k-th key (mu below) is about
+    WARM_MU whatever its length: the sample costs each row block the same fraction of its key loop (a fixed WARM
+    over-samples short rows), and the margin, hence the candidates per row (~ topk (1 + WARM_Z / sqrt(mu))), stays
+    the same at 128K as at 8K.
 
     Only run when some row sees more than CAP keys (fewer never compact), so hi - lo > CAP >=
     WARM and the WARM sample indices are distinct. Row r with n visible keys and m visible
@@ -840,18 +850,34 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
     t0 = _clock(PROFILE, INTERP)
     n_vis = tl.where(m_live, b_end - b_start, 0)  # [R]
     span = hi - lo
+    if WARM_MU > 0:  # tiles of the sample: WARM_MU expected keys above each row's k-th
+        n_wt = tl.cdiv((WARM_MU * span.to(tl.float32) / kk).to(tl.int32), BLOCK_N)
+        m_w = tl.minimum(tl.maximum(n_wt, 2), WARM // BLOCK_N) * BLOCK_N
+    else:
+        m_w = span * 0 + WARM
     m_smp = tl.zeros_like(n_vis)  # [R] visible samples per row
-    for i_t in range(0, WARM, BLOCK_N):
-        m_smp += _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
-                              H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS=LANE_ROWS, RAW=RAW)
+    if WARM_MU == 0:
+        for i_t in range(0, WARM, BLOCK_N):
+            m_smp += _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
+                                  H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS, RAW, WARM)
+    elif INTERP:  # the interpreter cannot `range` over runtime bounds
+        i_t = m_w * 0
+        while i_t < m_w:
+            m_smp += _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
+                                  H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS, RAW, m_w)
+            i_t += BLOCK_N
+    else:
+        for i_t in range(0, m_w, BLOCK_N):
+            m_smp += _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
+                                  H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS, RAW, m_w)
     tl.debug_barrier()  # sample keys visible to every thread
     t1 = _clock(PROFILE, INTERP)
     j, on = _warm_rank(n_vis, m_smp, kk, CAP, WARM_Z, WARM_MIN)
     if WARM_WIN:  # Config.warm_search="window": a threshold whose sample count is in a window above j
-        thr = _warm_window(key_rows, j, on, R, WARM, WARM_SLACK, RAW)
+        thr = _warm_window(key_rows, j, on, R, WARM, WARM_SLACK, RAW, m_w)
     else:
         j = tl.where(on, j, 1)
-        n_smp = tl.full([R], WARM, dtype=tl.int32)
+        n_smp = tl.full([R], 0, dtype=tl.int32) + m_w  # slots [m_w, WARM) hold no sample
         if SEARCH2:
             tau, _, _ = _kth_key2(key_rows, n_smp, j, R, WARM, RAW, KTH=KTH)
         else:
@@ -996,7 +1022,7 @@ def hytopk_kernel(
     APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False, LAZY_MAX: tl.constexpr = False,
     RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, WARM_HEAD: tl.constexpr = False,
     BALLOT: tl.constexpr = False, PROFILE: tl.constexpr = False, WARM_WIN: tl.constexpr = False,
-    WARM_SLACK: tl.constexpr = 0.25,
+    WARM_SLACK: tl.constexpr = 0.25, WARM_MU: tl.constexpr = 0.0,
 ):
     """ABLATE (bench/topk.py --parts ablate only, via op.hytopk_ablation; the output is not a valid selection): 1 skips
     the final select and its output writes, 2 lets no key become a candidate in the key loop (no appends, hence no
@@ -1085,7 +1111,7 @@ def hytopk_kernel(
                         lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_rows, o_n, o_d, m_d, H, D, R,
                         BLOCK_N, CAP, WARM, CHUNK_W, WARM_Z, WARM_MIN, RELU, IEEE, SEARCH2, LANE_ROWS=LANE_ROWS,
                         RAW=RAW, KTH=KTH, PROFILE=PROFILE, INTERP=WHILE_LOOPS, WARM_WIN=WARM_WIN,
-                        WARM_SLACK=WARM_SLACK)
+                        WARM_SLACK=WARM_SLACK, WARM_MU=WARM_MU)
                     c_smp += dt_smp
                     c_wsel += dt_sel
                     t0 = _clock(PROFILE, WHILE_LOOPS)

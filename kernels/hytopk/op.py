@@ -137,6 +137,12 @@ class Config:
     # the warm start's safety margin: the sample rank j sits this many binomial standard deviations above the
     # row's expected count (fewer: fewer candidates and compactions, more rows re-run from -inf)
     warm_z: float = WARM_Z
+    # warm_sample="spread": 0 = every row block samples warm_start keys. > 0: a row block whose rows see keys in
+    # [lo, hi) samples about warm_mu * (hi - lo) / topk keys (whole tiles, at least 2, at most warm_start), i.e.
+    # warm_mu of them expected above each row's k-th key: the sample costs every row block the same share of its key
+    # loop (a fixed 1024 is 6% of a 16K row's, 1.6% of a 64K row's) and leaves every long row the same margin, so
+    # about topk (1 + warm_z / sqrt(warm_mu)) candidates (1024 keys give 64K rows mu 32, 16K rows mu 128).
+    warm_mu: float = 0.0
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -171,6 +177,10 @@ def check_config(cfg: Config, interpret: bool) -> None:
     check(0.0 <= cfg.warm_slack <= 4.0,
           f"hytopk: Config.warm_slack must be in [0, 4] (the window's width as a fraction of the sample rank j), "
           f"got {cfg.warm_slack}")
+    check(cfg.warm_mu >= 0.0, f"hytopk: Config.warm_mu must be >= 0 (0 = a fixed warm_start sample), got {cfg.warm_mu}")
+    check(cfg.warm_mu == 0.0 or cfg.warm_sample == "spread",
+          f"hytopk: Config.warm_mu={cfg.warm_mu} sizes the spread sample, got warm_sample={cfg.warm_sample!r}; "
+          "set warm_mu=0 with the head sample")
     check(0.0 <= cfg.warm_z <= 8.0, f"hytopk: Config.warm_z must be in [0, 8] (standard deviations of margin), "
           f"got {cfg.warm_z}")
     check(cfg.group_mask in GROUP_MASKS,
@@ -223,10 +233,16 @@ def warm_stats() -> dict | None:
     return dict(warm_rows=a[0], fallback_rows=a[1], fallback_blocks=a[2])
 
 
-def warm_sample_positions(lo: int, hi: int, warm: int) -> list[int]:
+def warm_sample_positions(lo: int, hi: int, warm: int, topk: int = 0, warm_mu: float = 0.0,
+                          block_n: int = 64) -> list[int]:
     """Key indices the kernel samples for a row block whose rows see keys within [lo, hi) (hi - lo
-    > CAP >= warm): ``lo + i * (hi - lo) // warm``, i < warm (``warm`` after rounding, see _geometry)."""
-    return [lo + i * (hi - lo) // warm for i in range(warm)]
+    > CAP >= warm): ``lo + i * ((hi - lo) // m)``, i < m; m = warm (``warm`` after rounding, see _geometry) or,
+    where warm_mu > 0 (Config.warm_mu), warm_mu * (hi - lo) / topk rounded up to whole tiles of block_n keys, at
+    least 2 tiles, at most warm."""
+    m = warm
+    if warm_mu > 0:
+        m = min(max(-(-int(warm_mu * (hi - lo) / topk) // block_n), 2), warm // block_n) * block_n
+    return [lo + i * ((hi - lo) // m) for i in range(m)]
 
 
 def _geometry(H: int, D: int, topk: int, cfg: Config):
@@ -276,7 +292,7 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 WARM_HEAD=bool(select) and warm > 0 and cfg.warm_sample == "head",
                 BALLOT=bool(select) and cfg.group_mask == "ballot" and ballot_applies(cfg, R, H),
                 PROFILE=bool(profile), WARM_WIN=bool(select) and warm > 0 and cfg.warm_search == "window",
-                WARM_SLACK=float(cfg.warm_slack))
+                WARM_SLACK=float(cfg.warm_slack), WARM_MU=float(cfg.warm_mu) if warm > 0 else 0.0)
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):
