@@ -133,11 +133,12 @@ def test_search2_compiles_for_sm90():
     """The compiled path (a while loop over the passes, the buffer held in registers) is not what the
     interpreter runs: it must build for sm_90a (default launch, H 64, k 2048), its stack frame within
     64 B of the 1-bit search's (the key loop shares those registers; session 10: 376 vs 320 B, the
-    replaced full 2-bit search 392)."""
+    replaced full 2-bit search 392) or at most the 384 B it has had since session 16 (session 17's
+    cheaper warm-sample positions took the 1-bit kernel's frame to 304 B, the 2-bit one's stayed)."""
     out = compile_sm90_in_subprocess(_COMPILE)
     stack = {m[0]: int(m[1]) for m in __import__("re").findall(r"bits=(\d) stack=(\d+)", out)}
     assert set(stack) == {"1", "2"}, out
-    assert stack["2"] <= stack["1"] + 64, stack
+    assert stack["2"] <= max(stack["1"] + 64, 384), stack
 
 
 @pytest.mark.gpu
