@@ -629,19 +629,34 @@ if "sweep" in args.parts:
     log("BEST", {h: c.__dict__ for h, c in BEST.items()})
 
 
+def causal_shapes():
+    """The ablate / profile parts' inputs: causal T = S = --sweep-S (64 with --smoke, H 4, k 8) for each of --sweep-heads
+    64 / 32 (k 2048). Yields (S, H, topk, q, w, k, starts, ends, flops, default config), dropping its own references
+    to the inputs after each shape."""
+    S = 64 if args.smoke else args.sweep_S
+    for H, kk in ((4, 8),) if args.smoke else [(h, 2048) for h in (64, 32) if str(h) in args.sweep_heads.split(",")]:
+        q, w, k = make_inputs(S, S, H)
+        st, en = causal(S)
+        yield S, H, kk, q, w, k, st, en, flops(st, en, H), default_config(H, kk, interpret=args.smoke)
+        del q, w, k
+        empty_cache()
+
+
+def round_stats(xs):
+    """(median, p20, p80) of per-round medians, rounded for the CSV."""
+    hs = sorted(xs)
+    return (round(statistics.median(hs), 3), round(hs[int(0.2 * (len(hs) - 1))], 3),
+            round(hs[int(round(0.8 * (len(hs) - 1)))], 3))
+
+
 # ------------------------------------------------------------------------------------------
 # (2b) ablation: where HyTopK's time over the floor goes (benchmark-only kernel variants, not selections)
 # ------------------------------------------------------------------------------------------
 if "ablate" in args.parts:
     from hyscale_kernels.hytopk.op import ABLATIONS, hytopk_ablation
 
-    S = 64 if args.smoke else args.sweep_S
     rounds = max(1, args.ab_rounds or 5)
-    for H, kk in ((4, 8),) if args.smoke else [(h, 2048) for h in (64, 32) if str(h) in args.sweep_heads.split(",")]:
-        q, w, k = make_inputs(S, S, H)
-        st, en = causal(S)
-        fl = flops(st, en, H)
-        base = default_config(H, kk, interpret=args.smoke)
+    for S, H, kk, q, w, k, st, en, fl, base in causal_shapes():
         parts = [("hytopk", lambda: hytopk(q, w, k, st, en, kk, check_bounds=False, config=base)),
                  ("warm_start 0", lambda: hytopk(q, w, k, st, en, kk, check_bounds=False,
                                                  config=replace(base, warm_start=0)))]
@@ -660,16 +675,12 @@ if "ablate" in args.parts:
                 ms[n].append(time_fn(fn, target_ms=300)[0])
         f = statistics.median(ms["floor (lazy max)"])
         for n, _ in parts:
-            h = statistics.median(ms[n])
-            hs = sorted(ms[n])
-            log(f"ABLATE H{H} S{S} {n}: {h:.2f} ms (rounds {hs[0]:.2f}-{hs[-1]:.2f}) x floor {h / f:.3f}")
+            h, p20, p80 = round_stats(ms[n])
+            log(f"ABLATE H{H} S{S} {n}: {h:.2f} ms (rounds {min(ms[n]):.2f}-{max(ms[n]):.2f}) x floor {h / f:.3f}")
             record(shape=f"ablate {n}", impl="hytopk" if "floor" not in n else "floor", H=H, D=D_I, topk=kk, T=S,
-                   S_keys=S, ms=round(h, 3), ms_p20=round(hs[int(0.2 * (len(hs) - 1))], 3),
-                   ms_p80=round(hs[int(round(0.8 * (len(hs) - 1)))], 3), tflops=round(fl / h / 1e9, 1),
+                   S_keys=S, ms=h, ms_p20=p20, ms_p80=p80, tflops=round(fl / h / 1e9, 1),
                    x_floor=round(h / f, 3), config=json.dumps(base.__dict__),
                    note=f"{rounds} interleaved rounds; ablations are timing variants, not selections")
-        del q, w, k
-        empty_cache()
 
 
 # ------------------------------------------------------------------------------------------
@@ -678,13 +689,8 @@ if "ablate" in args.parts:
 if "profile" in args.parts:
     from hyscale_kernels.hytopk.op import PROFILE_PHASES, hytopk_profile
 
-    S = 64 if args.smoke else args.sweep_S
     rounds = max(1, args.ab_rounds or 5)
-    for H, kk in ((4, 8),) if args.smoke else [(h, 2048) for h in (64, 32) if str(h) in args.sweep_heads.split(",")]:
-        q, w, k = make_inputs(S, S, H)
-        st, en = causal(S)
-        fl = flops(st, en, H)
-        base = default_config(H, kk, interpret=args.smoke)
+    for S, H, kk, q, w, k, st, en, fl, base in causal_shapes():
         cfgs = [("default", base)] + [(v.strip(), replace(base, **json.loads(v)))
                                       for v in (args.profile_variants or "").split(";") if v.strip()]
         ms = {n: [] for n, _ in cfgs}
@@ -698,22 +704,18 @@ if "profile" in args.parts:
         f = statistics.median(ms["floor (lazy max)"])
         log(f"PROFILE H{H} S{S} floor {f:.2f} ms")
         for n, c in cfgs:
-            h = statistics.median(ms[n])
-            hs = sorted(ms[n])
+            h, p20, p80 = round_stats(ms[n])
             _, pr = hytopk_profile(q, w, k, st, en, kk, config=c)
             tot = max(pr["total"], 1)
             split = {ph: round(h * pr[ph] / tot, 3) for ph in PROFILE_PHASES[1:8]}
-            log(f"PROFILE H{H} S{S} {n}: {h:.2f} ms (rounds {hs[0]:.2f}-{hs[-1]:.2f}) x floor {h / f:.3f}; "
+            log(f"PROFILE H{H} S{S} {n}: {h:.2f} ms (rounds {min(ms[n]):.2f}-{max(ms[n]):.2f}) x floor {h / f:.3f}; "
                 + ", ".join(f"{ph} {v:.2f}" for ph, v in split.items())
                 + f"; {pr['row blocks']} row blocks, {pr['n compactions']} compactions"
                 + (f"; warm {json.dumps(warm_stats())}" if c.warm_start else ""))
-            record(shape=f"profile {n}", impl="hytopk", H=H, D=D_I, topk=kk, T=S, S_keys=S, ms=round(h, 3),
-                   ms_p20=round(hs[int(0.2 * (len(hs) - 1))], 3), ms_p80=round(hs[int(round(0.8 * (len(hs) - 1)))], 3),
+            record(shape=f"profile {n}", impl="hytopk", H=H, D=D_I, topk=kk, T=S, S_keys=S, ms=h, ms_p20=p20, ms_p80=p80,
                    tflops=round(fl / h / 1e9, 1), x_floor=round(h / f, 3), config=json.dumps(c.__dict__),
                    note=f"{rounds} interleaved rounds, floor {f:.3f} ms; ms per phase (cycle share x ms): "
                    + json.dumps(split) + f"; counters {json.dumps(pr)}")
-        del q, w, k
-        empty_cache()
 
 
 def cfg_for(H):

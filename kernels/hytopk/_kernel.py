@@ -259,6 +259,29 @@ def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.con
 
 
 @triton.jit
+def _interp_step(width, g_lo, g_hi, w_prev, target):
+    """The bracketed interpolation's next step from lo [R] (int64): where the line through (lo, g_lo) and
+    (hi, g_hi) crosses target, or half the bracket when the last step cut less than 1/16 of it (so the number of
+    passes stays bounded whatever the distribution). The caller clamps it into (lo, hi)."""
+    t = (g_lo - target) / tl.maximum(g_lo - g_hi, 1e-6)  # (0, 1) on live rows
+    step = (width.to(tl.float32) * t).to(tl.int64)
+    return tl.where(16 * width > 15 * w_prev, width // 2, step)
+
+
+@triton.jit
+def _illinois_update(x, c, up, dn, lo, hi, g_lo, g_hi, side, target):
+    """Move the bracket end that probe x (count c) replaces: lo where up, hi where dn. An end kept twice in a row
+    has its count moved halfway to target (the Illinois rule: regula falsi does not stall on one side).
+    Returns (lo, hi, g_lo, g_hi, side); side: the end the last pass moved (1 lo, -1 hi)."""
+    lo = tl.where(up, x, lo)
+    hi = tl.where(dn, x, hi)
+    g_hi = tl.where(up, tl.where(side == 1, (g_hi + target) * 0.5, g_hi), tl.where(dn, c.to(tl.float32), g_hi))
+    g_lo = tl.where(dn, tl.where(side == -1, (g_lo + target) * 0.5, g_lo), tl.where(up, c.to(tl.float32), g_lo))
+    side = tl.where(up, 1, tl.where(dn, -1, side))
+    return lo, hi, g_lo, g_hi, side
+
+
+@triton.jit
 def _kth_interp(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
                 WARPS: tl.constexpr = False):
     """Config.kth_search="interp": _kth_key2's contract (kth, n_gt, rank) by a bracketed interpolation search.
@@ -295,9 +318,7 @@ def _kth_interp(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.c
     n_live = tl.sum(live.to(tl.int32), axis=0)
     while n_live > 0:
         width = hi - lo  # [R] int64, >= 2 on live rows
-        t = (g_lo - kk) / tl.maximum(g_lo - g_hi, 1e-6)  # (0, 1) on live rows
-        step = (width.to(tl.float32) * t).to(tl.int64)
-        step = tl.where(16 * width > 15 * w_prev, width // 2, step)  # the last step cut < 1/16: bisect
+        step = _interp_step(width, g_lo, g_hi, w_prev, kk)
         x = lo + tl.minimum(tl.maximum(step, 1), width - 1)  # [R] strictly inside (lo, hi)
         c = tl.sum((b_keys >= x.to(tl.int32)[:, None]).to(tl.int32), axis=1)  # [R] f(x)
         hit = live & (c == kk)
@@ -306,13 +327,9 @@ def _kth_interp(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.c
         x_hit = tl.where(hit, x, x_hit)
         found = found | hit
         w_prev = tl.where(live, width, w_prev)
-        lo = tl.where(up, x, lo)
         f_lo = tl.where(up, c, f_lo)
-        hi = tl.where(dn, x, hi)
         f_hi = tl.where(dn, c, f_hi)
-        g_hi = tl.where(up, tl.where(side == 1, (g_hi + kk) * 0.5, g_hi), tl.where(dn, c.to(tl.float32), g_hi))
-        g_lo = tl.where(dn, tl.where(side == -1, (g_lo + kk) * 0.5, g_lo), tl.where(up, c.to(tl.float32), g_lo))
-        side = tl.where(up, 1, tl.where(dn, -1, side))
+        lo, hi, g_lo, g_hi, side = _illinois_update(x, c, up, dn, lo, hi, g_lo, g_hi, side, kk)
         live = live & ~hit & (hi - lo > 1)
         n_live = tl.sum(live.to(tl.int32), axis=0)
     edge = search & ~found  # hi == lo + 1: lo is the exact kk-th key, f(lo) > kk
@@ -787,10 +804,7 @@ def _warm_window(key_rows, j, on, R: tl.constexpr, WARM: tl.constexpr, SLACK: tl
     n_live = tl.sum(live.to(tl.int32), axis=0)
     while n_live > 0:
         width = hi - lo  # [R] int64, >= 2 on live rows
-        t = (f_lo - target) / tl.maximum(f_lo - f_hi, 1e-6)
-        step = (width.to(tl.float32) * t).to(tl.int64)
-        step = tl.where(16 * width > 15 * w_prev, width // 2, step)  # the last step cut < 1/16: bisect
-        step = tl.where(i_pass == 0, x0 - lo, step)
+        step = tl.where(i_pass == 0, x0 - lo, _interp_step(width, f_lo, f_hi, w_prev, target))
         x = lo + tl.minimum(tl.maximum(step, 1), width - 1)  # [R] strictly inside (lo, hi)
         c = tl.sum((b_keys >= x.to(tl.int32)[:, None]).to(tl.int32), axis=1)  # [R] sample keys >= x
         hit = live & (c >= j) & (c <= j_hi)
@@ -798,11 +812,7 @@ def _warm_window(key_rows, j, on, R: tl.constexpr, WARM: tl.constexpr, SLACK: tl
         dn = live & (c < j)
         x_res = tl.where(hit, x, x_res)
         w_prev = tl.where(live, width, w_prev)
-        lo = tl.where(up, x, lo)
-        hi = tl.where(dn, x, hi)
-        f_hi = tl.where(up, tl.where(side == 1, (f_hi + target) * 0.5, f_hi), tl.where(dn, c.to(tl.float32), f_hi))
-        f_lo = tl.where(dn, tl.where(side == -1, (f_lo + target) * 0.5, f_lo), tl.where(up, c.to(tl.float32), f_lo))
-        side = tl.where(up, 1, tl.where(dn, -1, side))
+        lo, hi, f_lo, f_hi, side = _illinois_update(x, c, up, dn, lo, hi, f_lo, f_hi, side, target)
         x_res = tl.where(live & ~hit & (hi - lo <= 1), lo, x_res)  # closed: lo, more than j_hi keys >= it
         live = live & ~hit & (hi - lo > 1)
         n_live = tl.sum(live.to(tl.int32), axis=0)
