@@ -80,7 +80,8 @@ p.add_argument("--ablate-variants", default=None,
                     "kernel, ablation 7 without a warm start and the floor stay): the warm start's own cost under each (e.g. {\"warm_start\":512};{\"kth_search\":\"radix\"})")
 p.add_argument("--profile-variants", default=None,
                help="with --parts profile: ';'-separated json Config overrides of the default, each profiled and timed "
-                    "beside it (interleaved rounds: --ab-rounds)")
+                    "beside it (interleaved rounds: --ab-rounds); the pseudo-field \"kernel\": \"path/_kernel.py\" times "
+                    "another copy of the kernel file (e.g. the last commit's) instead of the checkout's")
 p.add_argument("--resource-variants", default=None,
                help="with --resources: ';'-separated json Config overrides of the default to compile instead of the "
                     "built-in list (the default and its lazy floor come first)")
@@ -642,6 +643,46 @@ def causal_shapes():
         empty_cache()
 
 
+class kernel_from:
+    """Context: HyTopK's launches use the hytopk_kernel of another copy of kernels/hytopk/_kernel.py (path; None: the
+    checkout's), e.g. the last commit's, so that a code change no Config field selects is timed interleaved with the
+    current code in one process (--profile-variants '{"kernel": "ab_base/_kernel.py"}'). The floor keeps the current
+    kernel. op.py must be compatible with the file (same arguments and constexprs)."""
+
+    _mods: dict = {}
+
+    def __init__(self, path):
+        self.path = path
+
+    def __enter__(self):
+        import importlib.util
+
+        from hyscale_kernels.hytopk import op as _op
+
+        self.saved = _op._kernel
+        if self.path:
+            if self.path not in self._mods:
+                spec = importlib.util.spec_from_file_location(f"_hytopk_kernel_ab{len(self._mods)}", self.path)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                self._mods[self.path] = mod
+            _op._kernel = self._mods[self.path]
+        return self
+
+    def __exit__(self, *exc):
+        from hyscale_kernels.hytopk import op as _op
+
+        _op._kernel = self.saved
+        return False
+
+
+def split_variant(v):
+    """A --profile-variants entry -> (Config overrides, kernel path or None): the pseudo-field "kernel" names a
+    _kernel.py to time instead of the checkout's (kernel_from)."""
+    o = json.loads(v)
+    return o, o.pop("kernel", None)
+
+
 def round_stats(xs):
     """(median, p20, p80) of per-round medians, rounded for the CSV."""
     hs = sorted(xs)
@@ -691,21 +732,24 @@ if "profile" in args.parts:
 
     rounds = max(1, args.ab_rounds or 5)
     for S, H, kk, q, w, k, st, en, fl, base in causal_shapes():
-        cfgs = [("default", base)] + [(v.strip(), replace(base, **json.loads(v)))
-                                      for v in (args.profile_variants or "").split(";") if v.strip()]
-        ms = {n: [] for n, _ in cfgs}
+        cfgs = [("default", base, None)] + [(v.strip(), replace(base, **o), kp) for v in
+                                            (args.profile_variants or "").split(";") if v.strip()
+                                            for o, kp in [split_variant(v)]]
+        ms = {n: [] for n, _, _ in cfgs}
         ms["floor (lazy max)"] = []
         for r in range(rounds):  # interleaved: drift hits every config alike
-            for n, c in cfgs:
-                ms[n].append(time_fn(lambda c=c: hytopk(q, w, k, st, en, kk, check_bounds=False, config=c),
-                                     target_ms=300)[0])
+            for n, c, kp in cfgs:
+                with kernel_from(kp):
+                    ms[n].append(time_fn(lambda c=c: hytopk(q, w, k, st, en, kk, check_bounds=False, config=c),
+                                         target_ms=300)[0])
             ms["floor (lazy max)"].append(time_fn(lambda: hytopk_floor(q, w, k, st, en, config=base, topk=kk,
                                                                        lazy_max=True), target_ms=300)[0])
         f = statistics.median(ms["floor (lazy max)"])
         log(f"PROFILE H{H} S{S} floor {f:.2f} ms")
-        for n, c in cfgs:
+        for n, c, kp in cfgs:
             h, p20, p80 = round_stats(ms[n])
-            _, pr = hytopk_profile(q, w, k, st, en, kk, config=c)
+            with kernel_from(kp):
+                _, pr = hytopk_profile(q, w, k, st, en, kk, config=c)
             tot = max(pr["total"], 1)
             split = {ph: round(h * pr[ph] / tot, 3) for ph in PROFILE_PHASES[1:8]}
             log(f"PROFILE H{H} S{S} {n}: {h:.2f} ms (rounds {min(ms[n]):.2f}-{max(ms[n]):.2f}) x floor {h / f:.3f}; "

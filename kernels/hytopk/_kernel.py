@@ -259,26 +259,38 @@ def _kth_key2(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.con
 
 
 @triton.jit
-def _interp_step(width, g_lo, g_hi, w_prev, target):
-    """The bracketed interpolation's next step from lo [R] (int64): where the line through (lo, g_lo) and
-    (hi, g_hi) crosses target, or half the bracket when the last step cut less than 1/16 of it (so the number of
-    passes stays bounded whatever the distribution). The caller clamps it into (lo, hi)."""
-    t = (g_lo - target) / tl.maximum(g_lo - g_hi, 1e-6)  # (0, 1) on live rows
-    step = (width.to(tl.float32) * t).to(tl.int64)
-    return tl.where(16 * width > 15 * w_prev, width // 2, step)
+def _bracket_gap(lo, hm):
+    """Probe points strictly inside a bracket of int32 keys: hm - lo [R] as uint32 (hm = the upper end - 1, so that
+    the ends need no int64; the wrapping difference is exact: hm >= lo)."""
+    return hm.to(tl.uint32, bitcast=True) - lo.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
-def _illinois_update(x, c, up, dn, lo, hi, g_lo, g_hi, side, target):
-    """Move the bracket end that probe x (count c) replaces: lo where up, hi where dn. An end kept twice in a row
-    has its count moved halfway to target (the Illinois rule: regula falsi does not stall on one side).
-    Returns (lo, hi, g_lo, g_hi, side); side: the end the last pass moved (1 lo, -1 hi)."""
+def _interp_probe(lo, gap, g_lo, g_hi, w_prev, target, live):
+    """The bracketed interpolation's next probe x [R] int32 in [lo + 1, lo + gap] (gap = _bracket_gap >= 1 on live
+    rows): where the line through (lo, g_lo) and (lo + gap + 1, g_hi) crosses target, or the bracket's middle when
+    the last step cut less than 1/16 of it (so the number of passes stays bounded whatever the distribution).
+    Returns (x, width): width = gap + 1 as fp32, the w_prev of the next pass. 32-bit throughout (until session 18
+    the ends were int64: half of a pass's instructions went to 64-bit converts, compares and selects); fp32
+    rounding of the step only moves the probe, the clamp keeps it inside."""
+    width = gap.to(tl.float32) + 1.0  # [R]
+    t = tl.where(live, (g_lo - target) / tl.maximum(g_lo - g_hi, 1e-6), 0.5)  # (0, 1) on live rows
+    t = tl.where(16.0 * width > 15.0 * w_prev, 0.5, t)
+    step = tl.minimum(tl.maximum((width * t).to(tl.uint32), 1), gap)  # [R] uint32
+    return (lo.to(tl.uint32, bitcast=True) + step).to(tl.int32, bitcast=True), width
+
+
+@triton.jit
+def _illinois_update(x, c, up, dn, lo, hm, g_lo, g_hi, side, target):
+    """Move the bracket end that probe x (count c) replaces: lo = x where up, hm = x - 1 where dn. An end kept twice
+    in a row has its count moved halfway to target (the Illinois rule: regula falsi does not stall on one side).
+    Returns (lo, hm, g_lo, g_hi, side); side: the end the last pass moved (1 lo, -1 hi)."""
     lo = tl.where(up, x, lo)
-    hi = tl.where(dn, x, hi)
+    hm = tl.where(dn, x - 1, hm)
     g_hi = tl.where(up, tl.where(side == 1, (g_hi + target) * 0.5, g_hi), tl.where(dn, c.to(tl.float32), g_hi))
     g_lo = tl.where(dn, tl.where(side == -1, (g_lo + target) * 0.5, g_lo), tl.where(up, c.to(tl.float32), g_lo))
     side = tl.where(up, 1, tl.where(dn, -1, side))
-    return lo, hi, g_lo, g_hi, side
+    return lo, hm, g_lo, g_hi, side
 
 
 @triton.jit
@@ -294,7 +306,8 @@ def _kth_interp(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.c
     the midpoint when the last step cut less than 1/16 of the bracket (so at most ~64 passes whatever the
     distribution; ~8 on simulated 64K candidate sets vs ~11 radix passes of 3 counts each). f(x) == kk
     ends the row: its top kk are its keys >= x (kth = x - 1, n_gt = kk, as the radix's early stop); hi == lo + 1
-    ends it at the exact kk-th key lo (kth = lo, n_gt = f(hi), more keys equal to lo than fit: rank). One count
+    ends it at the exact kk-th key lo (kth = lo, n_gt = f(hi), more keys equal to lo than fit: rank). The ends are
+    int32 keys lo and hm = hi - 1 (hi = INT32_MAX + 1 would not fit), the probe arithmetic 32-bit. One count
     per pass instead of the radix's three for two bits. Rows with no more than kk real keys but more than kk
     buffered slots (invisible warm samples) get kth INT32_MIN, n_gt = their real keys, rank, as from the radix."""
     o_all = tl.arange(0, CAP)  # [CAP]
@@ -303,37 +316,33 @@ def _kth_interp(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.c
     b_keys = _load_keys(key_rows[:, None] + o_all[None, :], m_all, RAW)  # [R, CAP] (INT32_MIN: no key)
     m_key = b_keys != INT32_MIN
     n_real = tl.sum(m_key.to(tl.int32), axis=1)  # [R]
-    lo = tl.min(tl.where(m_key, b_keys, INT32_MAX), axis=1).to(tl.int64)  # [R] f(lo) = n_real
-    hi = tl.max(tl.where(m_key, b_keys, INT32_MIN), axis=1).to(tl.int64) + 1  # [R] f(hi) = 0
-    f_lo = n_real
+    lo = tl.min(tl.where(m_key, b_keys, INT32_MAX), axis=1)  # [R] f(lo) = n_real
+    hm = tl.max(tl.where(m_key, b_keys, INT32_MIN), axis=1)  # [R] the upper end - 1: f(hm + 1) = 0
     f_hi = tl.zeros_like(n_real)
-    g_lo = f_lo.to(tl.float32)  # [R] the ends' counts as the interpolation uses them (Illinois)
+    g_lo = n_real.to(tl.float32)  # [R] the ends' counts as the interpolation uses them (Illinois)
     g_hi = f_hi.to(tl.float32)
     side = tl.zeros_like(n_real)  # [R] the end the last pass moved: 1 lo, -1 hi
     search = (n_buf > kk) & (n_real >= kk)
     found = search & (n_real == kk)  # every real key is in the top kk: x = the smallest
     x_hit = lo
-    live = search & ~found & (hi - lo > 1)  # [R] rows still searching
-    w_prev = (hi - lo) * 4  # the first step interpolates
+    live = search & ~found & (hm > lo)  # [R] rows still searching
+    w_prev = tl.full([R], float("inf"), tl.float32)  # the first step interpolates
     n_live = tl.sum(live.to(tl.int32), axis=0)
     while n_live > 0:
-        width = hi - lo  # [R] int64, >= 2 on live rows
-        step = _interp_step(width, g_lo, g_hi, w_prev, kk)
-        x = lo + tl.minimum(tl.maximum(step, 1), width - 1)  # [R] strictly inside (lo, hi)
-        c = tl.sum((b_keys >= x.to(tl.int32)[:, None]).to(tl.int32), axis=1)  # [R] f(x)
+        x, width = _interp_probe(lo, _bracket_gap(lo, hm), g_lo, g_hi, w_prev, kk, live)  # x in (lo, hm + 1)
+        c = tl.sum((b_keys >= x[:, None]).to(tl.int32), axis=1)  # [R] f(x)
         hit = live & (c == kk)
         up = live & (c > kk)
         dn = live & (c < kk)
         x_hit = tl.where(hit, x, x_hit)
         found = found | hit
         w_prev = tl.where(live, width, w_prev)
-        f_lo = tl.where(up, c, f_lo)
         f_hi = tl.where(dn, c, f_hi)
-        lo, hi, g_lo, g_hi, side = _illinois_update(x, c, up, dn, lo, hi, g_lo, g_hi, side, kk)
-        live = live & ~hit & (hi - lo > 1)
+        lo, hm, g_lo, g_hi, side = _illinois_update(x, c, up, dn, lo, hm, g_lo, g_hi, side, kk)
+        live = live & ~hit & (hm > lo)
         n_live = tl.sum(live.to(tl.int32), axis=0)
-    edge = search & ~found  # hi == lo + 1: lo is the exact kk-th key, f(lo) > kk
-    kth = tl.where(found, x_hit - 1, tl.where(edge, lo, INT32_MIN)).to(tl.int32)
+    edge = search & ~found  # hm == lo: lo is the exact kk-th key, f(lo) > kk
+    kth = tl.where(found, x_hit - 1, tl.where(edge, lo, INT32_MIN))
     n_gt = tl.where(found, kk, tl.where(edge, f_hi, n_real))
     return kth, n_gt, (n_buf > kk) & ~found
 
@@ -364,7 +373,8 @@ def _tie_index_bound(key_rows, idx_rows, kth, n_eq, m_r, R: tl.constexpr, CAP: t
 def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                   FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr,
                   CHUNK: tl.constexpr, SEARCH2: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
-                  WARPS: tl.constexpr = False, KTH: tl.constexpr = 0, FILTER: tl.constexpr = False, thr_keep=None):
+                  WARPS: tl.constexpr = False, KTH: tl.constexpr = 0, FILTER: tl.constexpr = False, thr_keep=None,
+                  HW: tl.constexpr = False):
     """Keep each row's exact top-kk of its buffer (all of it where cnt <= kk), stably. Returns (kth, kept [R]).
 
     key_rows/idx_rows: [R] pointers to the rows' buffers. dst_*: [R] row pointers of the
@@ -376,6 +386,9 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     regions (cnt_g [KEY_GROUPS, R] keys in each), every other slot RAW_NONE; buffer order is then not key-index
     order, so the keys equal to the kk-th that fit are the ones with the lowest key indices (_tie_index_bound).
     Compacting, every row is packed (the holes removed) and its slots past the kept ones reset to RAW_NONE.
+    HW (compiled, not the interpreter): the rewrite's scattered stores are inline PTX in the chunk's own layout
+    (_store1 / _store2); a tl.store first converted the pointers, values and mask to another layout through shared
+    memory (sm_90a final rewrite 742 -> see bench/NOTES_hytopk.md, session 18).
     """
     o_h = tl.arange(0, CHUNK)
     n_tot = _n_buffered(cnt, cnt_g, WARPS)  # [R]
@@ -414,7 +427,8 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
             b_k = b_raw
         if WARPS:  # holes (RAW_NONE) are no candidates
             m_v = m_v & (b_k != INT32_MIN)
-        b_i = tl.load(idx_rows[:, None] + o_cc[None, :], mask=m_v, other=-1)  # [R, CHUNK]
+        # unmasked (every slot is scratch memory; entries outside m_v are never used): vector loads
+        b_i = tl.load(idx_rows[:, None] + o_cc[None, :])  # [R, CHUNK]
         m_eq = (b_k == kth[:, None]) & m_v
         if WARPS:  # by key index (x_tie = INT32_MAX where all or none of the row's ties fit)
             m_take = m_eq & (n_eq[:, None] > 0) & (b_i <= x_tie[:, None])
@@ -432,14 +446,16 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
         tl.debug_barrier()  # whole chunk read before any of it is overwritten (in place)
         m_st = m_keep & m_rows[:, None]
         if FINAL:
-            tl.store(dst_idx[:, None] + pos, b_i, mask=m_st)
             if WRITE_SCORES:
-                tl.store(dst_key[:, None] + pos, _key_to_score(b_k), mask=m_st)
+                p_s = (dst_key[:, None] + pos).to(tl.pointer_type(tl.int32))  # fp32 scores stored as their bits
+                _store2(dst_idx[:, None] + pos, b_i, p_s, _key_to_score(b_k).to(tl.int32, bitcast=True), m_st, HW)
+            else:
+                _store1(dst_idx[:, None] + pos, b_i, m_st, HW)
         else:
             if not WARPS:  # rows that keep everything stay where they are (WARPS: packed, regions have holes)
                 m_st = m_st & need[:, None]
-            tl.store(dst_key[:, None] + pos, b_raw, mask=m_st)  # the buffer's own format (keys or RAW bits)
-            tl.store(dst_idx[:, None] + pos, b_i, mask=m_st)
+            # the buffer's own format (keys or RAW bits)
+            _store2(dst_key[:, None] + pos, b_raw, dst_idx[:, None] + pos, b_i, m_st, HW)
         base += tl.sum(m_keep.to(tl.int32), axis=1)
         eq_seen += tl.sum(m_eq.to(tl.int32), axis=1)
     if WARPS and not FINAL:  # the slots after the kept ones become holes for the next regions
@@ -551,6 +567,17 @@ def _popc64(x, HW: tl.constexpr):
             v = (v + (v >> 4)) & 0x0F0F0F0F
             n += ((v * 0x01010101) >> 24).to(tl.int32)
         return n
+
+
+@triton.jit
+def _store1(p_a, v_a, m, HW: tl.constexpr):
+    """Masked scatter of one int32 tensor, as _store2 (HW: inline PTX in the operands' own layout)."""
+    if HW:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
+            [p_a.to(tl.int64), v_a, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(p_a, v_a, mask=m)
 
 
 @triton.jit
@@ -774,15 +801,15 @@ def _warm_window(key_rows, j, on, R: tl.constexpr, WARM: tl.constexpr, SLACK: tl
     as many keys reach the key loop as with the j-th key itself, at most ~SLACK more); the window only lets the
     search stop early. First probe: the row's sample mean + z sd, z the normal quantile of the window's middle rank
     (one pass over the sample gives the moments, with its min / max); then _kth_interp's bracketed interpolation
-    (Illinois) aimed at the window's middle. If the bracket closes (hi = lo + 1) without a count in the window, lo
+    (Illinois) aimed at the window's middle. If the bracket closes (hm = lo) without a count in the window, lo
     (more than j + SLACK j keys >= it) is taken."""
     o_w = tl.arange(0, WARM)  # [WARM]
     b_keys = _load_keys(key_rows[:, None] + o_w[None, :], (o_w[None, :] < m_w) & on[:, None], RAW)  # [R, WARM]
     m_key = b_keys != INT32_MIN  # visible sample keys (on rows only)
     n_real = tl.sum(m_key.to(tl.int32), axis=1)  # [R]
     k_max = tl.max(tl.where(m_key, b_keys, INT32_MIN), axis=1)  # [R]
-    lo = tl.min(tl.where(m_key, b_keys, INT32_MAX), axis=1).to(tl.int64)  # [R] f(lo) = n_real
-    hi = k_max.to(tl.int64) + 1  # [R] f(hi) = 0
+    lo = tl.min(tl.where(m_key, b_keys, INT32_MAX), axis=1)  # [R] f(lo) = n_real
+    hm = k_max  # [R] the upper end - 1: f(hm + 1) = 0
     # moments about the row's max (fp32 sums of values <= 0: no cancellation against a large mean)
     s_max = _key_to_score(k_max)  # [R]
     b_d = tl.where(m_key, _key_to_score(b_keys) - s_max[:, None], 0.0)  # [R, WARM]
@@ -792,32 +819,32 @@ def _warm_window(key_rows, j, on, R: tl.constexpr, WARM: tl.constexpr, SLACK: tl
     j_hi = j + (j.to(tl.float32) * SLACK).to(tl.int32)  # [R] the window [j, j_hi]
     target = (j + j_hi).to(tl.float32) * 0.5
     z = _norm_tail_z(tl.minimum(tl.maximum(target / n_f, 1e-6), 0.5))
-    x0 = _score_to_key(s_max + d_mean + z * sd).to(tl.int64)  # [R] the first probe
+    x0 = _score_to_key(s_max + d_mean + z * sd)  # [R] the first probe
     found = ~on | (n_real <= j_hi)  # off rows: no search; tiny samples: lo (every key) is in the window
     x_res = lo
-    live = ~found & (hi - lo > 1)  # [R]
+    live = ~found & (hm > lo)  # [R]
     f_lo = n_real.to(tl.float32)  # [R] the ends' counts as the interpolation uses them (Illinois)
     f_hi = tl.zeros_like(f_lo)
     side = tl.zeros_like(n_real)  # [R] the end the last pass moved: 1 lo, -1 hi
-    w_prev = (hi - lo) * 4
+    w_prev = tl.full([R], float("inf"), tl.float32)
     i_pass = 0
     n_live = tl.sum(live.to(tl.int32), axis=0)
     while n_live > 0:
-        width = hi - lo  # [R] int64, >= 2 on live rows
-        step = tl.where(i_pass == 0, x0 - lo, _interp_step(width, f_lo, f_hi, w_prev, target))
-        x = lo + tl.minimum(tl.maximum(step, 1), width - 1)  # [R] strictly inside (lo, hi)
-        c = tl.sum((b_keys >= x.to(tl.int32)[:, None]).to(tl.int32), axis=1)  # [R] sample keys >= x
+        x, width = _interp_probe(lo, _bracket_gap(lo, hm), f_lo, f_hi, w_prev, target, live)  # x in (lo, hm + 1)
+        if i_pass == 0:
+            x = tl.minimum(tl.maximum(x0, lo + 1), hm)
+        c = tl.sum((b_keys >= x[:, None]).to(tl.int32), axis=1)  # [R] sample keys >= x
         hit = live & (c >= j) & (c <= j_hi)
         up = live & (c > j_hi)
         dn = live & (c < j)
         x_res = tl.where(hit, x, x_res)
         w_prev = tl.where(live, width, w_prev)
-        lo, hi, f_lo, f_hi, side = _illinois_update(x, c, up, dn, lo, hi, f_lo, f_hi, side, target)
-        x_res = tl.where(live & ~hit & (hi - lo <= 1), lo, x_res)  # closed: lo, more than j_hi keys >= it
-        live = live & ~hit & (hi - lo > 1)
+        lo, hm, f_lo, f_hi, side = _illinois_update(x, c, up, dn, lo, hm, f_lo, f_hi, side, target)
+        x_res = tl.where(live & ~hit & (hm <= lo), lo, x_res)  # closed: lo, more than j_hi keys >= it
+        live = live & ~hit & (hm > lo)
         n_live = tl.sum(live.to(tl.int32), axis=0)
         i_pass += 1
-    return tl.where(on, (x_res - 1).to(tl.int32), INT32_MIN)
+    return tl.where(on, x_res - 1, INT32_MIN)
 
 
 @triton.jit
@@ -954,7 +981,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                     tl.debug_barrier()  # appends of earlier tiles visible to all threads
                     t0 = _clock(PROFILE, WHILE_LOOPS)
                     kth, _ = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP,
-                                        CHUNK, SEARCH2, RAW, cnt_g, True, KTH)
+                                        CHUNK, SEARCH2, RAW, cnt_g, True, KTH, HW=not WHILE_LOOPS)
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(_n_buffered(cnt, cnt_g, True), kk)
                     cnt_g = cnt_g * 0
@@ -971,7 +998,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                     tl.debug_barrier()  # appends of earlier tiles visible to all threads
                     t0 = _clock(PROFILE, WHILE_LOOPS)
                     kth, _ = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t,
-                                        False, False, R, CAP, CHUNK, SEARCH2, RAW, KTH=KTH)
+                                        False, False, R, CAP, CHUNK, SEARCH2, RAW, KTH=KTH, HW=not WHILE_LOOPS)
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(cnt, kk)
                     if PROFILE:
@@ -1189,7 +1216,7 @@ def hytopk_kernel(
             tl.debug_barrier()
             o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
             _select_store(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
-                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW, cnt_g, APPEND == 2, KTH)
+                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW, cnt_g, APPEND == 2, KTH, HW=not WHILE_LOOPS)
             # -1 / -inf padding after the kept entries
             n_keep = tl.minimum(_n_buffered(cnt, cnt_g, APPEND == 2), kk)  # [R]
             o_h = tl.arange(0, CHUNK)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call for HyTopK's time over the floor (issue #3): GPU tests of the HyTopK kernel, then the clock64
+# phase profile (bench/topk.py --parts profile: interleaved rounds against the lazy floor) at TP_S x TP_HEADS with
+# TP_VARIANTS (';'-separated json Config overrides), then, when TP_BASE names an older _kernel.py, the same profile
+# with that kernel swapped in (same machine, same call: an A/B of code changes that no Config field selects),
+# then TP_S2 (e.g. 131072) if set.
+# Usage on the device (carry .whl-tl, and the folder of TP_BASE if any):  OUT=$OUT bash bench/topk_profile_session.sh
+set -u
+source bench/device_env.sh
+OUT=${OUT:-/tmp/topk_prof}; mkdir -p "$OUT"
+ROUNDS=${TP_ROUNDS:-5}
+if [ -n "${TP_TESTS:-tests/test_hytopk.py tests/test_hytopk_interp.py tests/test_hytopk_ballot.py}" ]; then
+  echo "== tests ($(date +%T))"
+  timeout -s INT -k 20 "${TP_TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -x \
+    ${TP_TESTS:-tests/test_hytopk.py tests/test_hytopk_interp.py tests/test_hytopk_ballot.py} 2>&1 \
+    | grep -E "passed|failed|FAILED|ERROR|Error|assert" | tail -12
+fi
+prof() {  # $1: out subfolder, $2: S, $3: variants
+  echo "== profile $1 S $2 ($(date +%T))"
+  timeout "${TP_TIMEOUT:-300}" python3 bench/topk.py --out "$OUT/$1" --parts profile --sweep-S "$2" \
+    --sweep-heads "${TP_HEADS:-64,32}" --ab-rounds "$ROUNDS" --profile-variants "$3" 2>&1 | grep -E "PROFILE|Error|error" 
+}
+prof new "${TP_S:-65536}" "${TP_VARIANTS:-}"
+if [ -n "${TP_BASE:-}" ]; then
+  cp kernels/hytopk/_kernel.py "$OUT/_kernel_new.py" && cp "$TP_BASE" kernels/hytopk/_kernel.py
+  prof base "${TP_S:-65536}" ""
+  cp "$OUT/_kernel_new.py" kernels/hytopk/_kernel.py
+fi
+[ -n "${TP_S2:-}" ] && prof new_s2 "$TP_S2" "${TP_VARIANTS2:-}"
+echo "== done ($(date +%T))"
