@@ -513,13 +513,18 @@ SWEEP = [
 BEST = {}
 
 
+def launch_shape(c):
+    """The Config fields that change the floor's code (block_n, rows, warps, stages, head sum order, lane rows)."""
+    return (c.block_n, c.rows_x_heads, c.num_warps, c.num_stages, c.head_sum, c.lane_rows)
+
+
 def ab_rounds(H, kk, S, sweep, keep, q, w, k, st, en, fl):
     """Interleaved timing of sweep configs `keep` (cfg numbers): args.ab_rounds rounds, each timing every config's
     HyTopK and the lazy floor of each distinct launch shape; per config the median over rounds and x floor
     against the median floor of its launch shape (warm_start / append / raw_keys / search_bits do not change
     the floor's code)."""
     cfgs = [(i, sweep[i] or default_config(H, kk, interpret=args.smoke)) for i in sorted(keep) if i < len(sweep)]
-    shape = lambda c: (c.block_n, c.rows_x_heads, c.num_warps, c.num_stages, c.head_sum, c.lane_rows)  # noqa: E731
+    shape = launch_shape
     h_ms = {i: [] for i, _ in cfgs}
     f_ms = {}
     for r in range(args.ab_rounds):
@@ -736,17 +741,21 @@ if "profile" in args.parts:
                                             (args.profile_variants or "").split(";") if v.strip()
                                             for o, kp in [split_variant(v)]]
         ms = {n: [] for n, _, _ in cfgs}
-        ms["floor (lazy max)"] = []
+        shapes = {launch_shape(c): c for _, c, _ in cfgs}  # a variant that changes the launch shape gets its own floor
+        f_ms = {sh: [] for sh in shapes}
         for r in range(rounds):  # interleaved: drift hits every config alike
             for n, c, kp in cfgs:
                 with kernel_from(kp):
                     ms[n].append(time_fn(lambda c=c: hytopk(q, w, k, st, en, kk, check_bounds=False, config=c),
                                          target_ms=300)[0])
-            ms["floor (lazy max)"].append(time_fn(lambda: hytopk_floor(q, w, k, st, en, config=base, topk=kk,
-                                                                       lazy_max=True), target_ms=300)[0])
-        f = statistics.median(ms["floor (lazy max)"])
-        log(f"PROFILE H{H} S{S} floor {f:.2f} ms")
+            for sh, c in shapes.items():
+                f_ms[sh].append(time_fn(lambda c=c: hytopk_floor(q, w, k, st, en, config=c, topk=kk, lazy_max=True),
+                                        target_ms=300)[0])
+        fl_med = {sh: statistics.median(v) for sh, v in f_ms.items()}
+        log(f"PROFILE H{H} S{S} floor {fl_med[launch_shape(base)]:.2f} ms"
+            + "".join(f"; floor {sh}: {v:.2f} ms" for sh, v in fl_med.items() if sh != launch_shape(base)))
         for n, c, kp in cfgs:
+            f = fl_med[launch_shape(c)]
             h, p20, p80 = round_stats(ms[n])
             with kernel_from(kp):
                 _, pr = hytopk_profile(q, w, k, st, en, kk, config=c)

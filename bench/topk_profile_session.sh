@@ -3,16 +3,17 @@
 # phase profile (bench/topk.py --parts profile: interleaved rounds against the lazy floor) at TP_S x TP_HEADS with
 # TP_VARIANTS (';'-separated json Config overrides), then, when TP_BASE names an older _kernel.py, the same profile
 # with that kernel swapped in (same machine, same call: an A/B of code changes that no Config field selects),
-# then TP_S2 (e.g. 131072) if set.
+# then each size of TP_S2 (e.g. "131072 262144") with TP_VARIANTS2.
 # Usage on the device (carry .whl-tl, and the folder of TP_BASE if any):  OUT=$OUT bash bench/topk_profile_session.sh
 set -u
 source bench/device_env.sh
 OUT=${OUT:-/tmp/topk_prof}; mkdir -p "$OUT"
 ROUNDS=${TP_ROUNDS:-5}
-if [ -n "${TP_TESTS:-tests/test_hytopk.py tests/test_hytopk_interp.py tests/test_hytopk_ballot.py}" ]; then
+TESTS=${TP_TESTS-tests/test_hytopk.py tests/test_hytopk_interp.py tests/test_hytopk_ballot.py}  # TP_TESTS="": none
+if [ -n "$TESTS" ]; then
   echo "== tests ($(date +%T))"
   timeout -s INT -k 20 "${TP_TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -x \
-    ${TP_TESTS:-tests/test_hytopk.py tests/test_hytopk_interp.py tests/test_hytopk_ballot.py} 2>&1 \
+    $TESTS 2>&1 \
     | grep -E "passed|failed|FAILED|ERROR|Error|assert" | tail -12
 fi
 prof() {  # $1: out subfolder, $2: S, $3: variants
@@ -26,5 +27,5 @@ if [ -n "${TP_BASE:-}" ]; then
   prof base "${TP_S:-65536}" ""
   cp "$OUT/_kernel_new.py" kernels/hytopk/_kernel.py
 fi
-[ -n "${TP_S2:-}" ] && prof new_s2 "$TP_S2" "${TP_VARIANTS2:-}"
+for s2 in ${TP_S2:-}; do prof "new_$s2" "$s2" "${TP_VARIANTS2:-}"; done
 echo "== done ($(date +%T))"
