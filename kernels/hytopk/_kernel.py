@@ -439,20 +439,28 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     # stable rewrite, chunk by chunk: an entry only moves down, past chunks already read
     base = tl.zeros_like(cnt)  # [R] kept so far
     eq_seen = tl.zeros_like(cnt)  # [R] entries equal to kth seen so far
+    # RAW: the rewrite compares the raw fp32 scores (key > kth <=> score >= _thr_score(kth); key == kth <=> key > kth - 1
+    # and not key > kth; holes are NaN: no comparison holds), no int key per entry (sm_90a final rewrite chunk
+    # 597 -> see bench/NOTES_hytopk.md, session 18)
+    t_gt = _thr_score(kth)  # [R] fp32
+    t_ge = _thr_score(kth - 1)  # [R] (kth INT32_MIN: a NaN bound, nothing equal, as no real key is INT32_MIN)
     for i_c in range(0, CAP, CHUNK):
         o_cc = i_c + o_h  # [CHUNK]
         m_v = _slot_valid(o_cc, cnt, WARPS)  # [R, CHUNK]
         if RAW:
             b_raw = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=RAW_NONE)  # [R, CHUNK] fp32 bits
-            b_k = _score_to_key(b_raw.to(tl.float32, bitcast=True))  # [R, CHUNK] keys
+            b_s = b_raw.to(tl.float32, bitcast=True)  # [R, CHUNK] scores
+            m_gt = b_s >= t_gt[:, None]  # [R, CHUNK] key > kth
+            m_eq = (b_s >= t_ge[:, None]) & ~m_gt & m_v  # key == kth
         else:
             b_raw = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=INT32_MIN)  # [R, CHUNK]
             b_k = b_raw
-        if WARPS:  # holes (RAW_NONE) are no candidates
-            m_v = m_v & (b_k != INT32_MIN)
+            if WARPS:  # holes are no candidates
+                m_v = m_v & (b_k != INT32_MIN)
+            m_gt = b_k > kth[:, None]
+            m_eq = (b_k == kth[:, None]) & m_v
         # unmasked (every slot is scratch memory; entries outside m_v are never used): vector loads
         b_i = tl.load(idx_rows[:, None] + o_cc[None, :])  # [R, CHUNK]
-        m_eq = (b_k == kth[:, None]) & m_v
         if WARPS:  # by key index (x_tie = INT32_MAX where all or none of the row's ties fit)
             m_take = m_eq & (n_eq[:, None] > 0) & (b_i <= x_tie[:, None])
         elif SEARCH2:
@@ -464,14 +472,18 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
         else:
             r_eq = eq_seen[:, None] + tl.cumsum(m_eq.to(tl.int32), axis=1)  # [R, CHUNK] 1-based rank
             m_take = m_eq & (r_eq <= n_eq[:, None])
-        m_keep = m_v & ((b_k > kth[:, None]) | m_take)
+        m_keep = m_v & (m_gt | m_take)
         pos = base[:, None] + tl.cumsum(m_keep.to(tl.int32), axis=1) - 1  # [R, CHUNK]
         tl.debug_barrier()  # whole chunk read before any of it is overwritten (in place)
         m_st = m_keep & m_rows[:, None]
         if FINAL:
             if WRITE_SCORES:
                 p_s = (dst_key[:, None] + pos).to(tl.pointer_type(tl.int32))  # fp32 scores stored as their bits
-                _store2(dst_idx[:, None] + pos, b_i, p_s, _key_to_score(b_k).to(tl.int32, bitcast=True), m_st, HW)
+                if RAW:
+                    b_sc = tl.where(b_s == 0.0, 0.0, b_s)  # the key's score: -0.0 folded onto +0.0
+                else:
+                    b_sc = _key_to_score(b_k)
+                _store2(dst_idx[:, None] + pos, b_i, p_s, b_sc.to(tl.int32, bitcast=True), m_st, HW)
             else:
                 _store1(dst_idx[:, None] + pos, b_i, m_st, HW)
         else:
@@ -744,14 +756,15 @@ def _key_warps(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, nxt, key_rows, idx
 @triton.jit
 def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
                  H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, WARM: tl.constexpr,
-                 RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr, RAW: tl.constexpr, m_w):
+                 RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr, RAW: tl.constexpr, m_w,
+                 HW: tl.constexpr = False):
     """Warm-start sample slots [i_t, i_t + BLOCK_N) of m_w (WARM, or Config.warm_mu's size: <= WARM, a multiple of
     BLOCK_N): key index lo + slot * (span // m_w) (until session 17 lo + slot * span // WARM: a 64-bit product and
     division per key, and spills in the sample loop).
 
     Scores them with the main loop's code (same MMA, activation, weights, head sum, int32 key)
     and writes each row's key into slot ``slot`` of its buffer (INT32_MIN where the key is not
-    visible to the row: never counted by the select). Returns visible samples per row [R].
+    visible to the row: never counted by the select). Returns the visibility [BLOCK_N, R] as int32 (1: a sample).
     """
     o_i = i_t + o_n  # [BLOCK_N] sample slots
     m_i = o_i < m_w
@@ -764,8 +777,10 @@ def _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n,
         key = tl.where(m_vis, sc.to(tl.int32, bitcast=True), RAW_NONE)  # [BLOCK_N, R]
     else:
         key = tl.where(m_vis, _score_to_key(sc), INT32_MIN)  # [BLOCK_N, R]
-    tl.store(key_rows[None, :] + o_i[:, None], key, mask=m_i[:, None])
-    return tl.sum(m_vis.to(tl.int32), axis=0)
+    # HW: inline PTX stores in the scores' MMA layout (a tl.store converted the tile through shared memory and
+    # barriers first); the visible count is summed by the caller after the sample loop (no reduction per tile)
+    _store1(key_rows[None, :] + o_i[:, None], key, tl.broadcast_to(m_i[:, None], key.shape), HW)
+    return m_vis.to(tl.int32)
 
 
 @triton.jit
@@ -915,21 +930,22 @@ def _warm_threshold(lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, m_live, key_ro
         m_w = tl.minimum(tl.maximum(n_wt, 2), WARM // BLOCK_N) * BLOCK_N
     else:
         m_w = span * 0 + WARM
-    m_smp = tl.zeros_like(n_vis)  # [R] visible samples per row
+    m_smp = tl.zeros([BLOCK_N, R], dtype=tl.int32)  # visible samples per row and tile position (summed below)
     if WARM_MU == 0:
         for i_t in range(0, WARM, BLOCK_N):
             m_smp += _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
-                                  H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS, RAW, WARM)
+                                  H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS, RAW, WARM, not INTERP)
     elif INTERP:  # the interpreter cannot `range` over runtime bounds
         i_t = m_w * 0
         while i_t < m_w:
             m_smp += _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
-                                  H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS, RAW, m_w)
+                                  H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS, RAW, m_w, not INTERP)
             i_t += BLOCK_N
     else:
         for i_t in range(0, m_w, BLOCK_N):
             m_smp += _sample_tile(i_t, lo, span, k_ptr, b_qT, b_w, b_start, b_end, key_rows, o_n, o_d, m_d,
-                                  H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS, RAW, m_w)
+                                  H, D, R, BLOCK_N, WARM, RELU, IEEE, LANE_ROWS, RAW, m_w, not INTERP)
+    m_smp = tl.sum(m_smp, axis=0)  # [R]
     tl.debug_barrier()  # sample keys visible to every thread
     t1 = _clock(PROFILE, INTERP)
     j, on = _warm_rank(n_vis, m_smp, kk, CAP, WARM_Z, WARM_MIN)
