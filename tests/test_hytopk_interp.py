@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from hyscale_kernels.hytopk import hytopk, interpreter_active, op
+from hyscale_kernels.hytopk import _kernel, hytopk, interpreter_active, op
 from hyscale_kernels.hytopk.op import default_config
 from hyscale_kernels.hytopk.reference import causal_bounds
 from interp_rerun import rerun_under_interpreter
-from test_hytopk_prefix import I32_MIN, _check_contract, _keys, _run_probe
+from test_hytopk_prefix import I32_MIN, _check_contract, _keys, _probe, _run_probe
 from test_hytopk_warmstart import _assert_reference_sets, _inputs
 from test_hytopk_warps import _spy, by_index, gpu_causal_inputs, packed_rows_case, zero_ties_case
 
@@ -35,12 +37,11 @@ def interp_calls(monkeypatch):
     return _spy(monkeypatch, "_kth_interp")
 
 
-CASES = ["narrow", "wide", "equal", "sign", "small_rows", "holes", "per_row_k", "ties_at_k", "skewed"]
+CASES = ["narrow", "wide", "equal", "sign", "small_rows", "holes", "per_row_k", "ties_at_k", "skewed", "dense"]
 
 
-@interp
-@pytest.mark.parametrize("case", CASES)
-def test_probe_interp_contract(case, interp_calls):
+def _case(case):
+    """Crafted buffers for the probe: (scores [R, CAP] fp32, keys [R, CAP] int32 with holes INT32_MIN, cnt, kk)."""
     g = torch.Generator().manual_seed(hash(case) % 1000)
     R, CAP = 4, 64
     kk = torch.full((R,), 20, dtype=torch.int32)
@@ -68,6 +69,9 @@ def test_probe_interp_contract(case, interp_calls):
         s[:, 10:40] = 0.25  # ranks 10..39 (below 10 larger keys at most) straddle k = 20
         s[:, :10] = 0.5 + torch.rand(R, 10, generator=g)
         s[3] = 0.0  # ReLU zeros: every key tied
+    elif case == "dense":  # adjacent floats (keys 0..39 apart, repeated): every probe is on or next to a key
+        s = (0x3F800000 + torch.randint(0, 40, (R, CAP), generator=g, dtype=torch.int32)).view(torch.float32)
+        s[2] = -s[2]
     else:  # "skewed": one huge outlier stretches the bracket (interpolation alone would crawl: bisection)
         s = 1.0 + torch.rand(R, CAP, generator=g)
         s[:, 0] = 1e30
@@ -78,15 +82,67 @@ def test_probe_interp_contract(case, interp_calls):
         keys[3, 10:] = I32_MIN
     if case == "per_row_k":
         keys[3, 30:] = I32_MIN
+    return s.float(), keys, cnt, kk
+
+
+@interp
+@pytest.mark.parametrize("case", CASES)
+def test_probe_interp_contract(case, interp_calls):
+    _, keys, cnt, kk = _case(case)
     radix = _run_probe(keys, cnt, kk, 0)
     interp_calls.clear()
     got = _run_probe(keys, cnt, kk, 2)
     assert interp_calls, "the interpolation path did not run"
     assert (got != 12345).all(), "unwritten probe output"
     _check_contract(keys, cnt, kk, got)
-    for r in range(R):
+    for r in range(keys.shape[0]):
         if int(cnt[r]) > int(kk[r]) and bool(radix[2, r]):  # both ended on the exact k-th key (a tie split)
             assert torch.equal(got[:, r], radix[:, r]), f"row {r}: {got[:, r]} vs radix {radix[:, r]}"
+
+
+@triton.jit
+def _probe_raw(raw_ptr, cnt_ptr, kk_ptr, out_ptr, R: tl.constexpr, CAP: tl.constexpr, HW: tl.constexpr):
+    """_kth_interp on raw fp32-bit buffers [R, CAP] (holes RAW_NONE), as the default launches hold them: out [3, R]."""
+    o_r = tl.arange(0, R)
+    cnt = tl.load(cnt_ptr + o_r)
+    kk = tl.load(kk_ptr + o_r)
+    kth, n_gt, rank = _kernel._kth_interp(raw_ptr + o_r * CAP, cnt, kk, R, CAP, True, HW=HW)
+    tl.store(out_ptr + o_r, kth)
+    tl.store(out_ptr + R + o_r, n_gt)
+    tl.store(out_ptr + 2 * R + o_r, rank.to(tl.int32))
+
+
+def _raw_vs_keys(case, device):
+    """The raw-score search (fp32 compares; on the GPU the FSET count) gives exactly the int-key search's result."""
+    s, keys, cnt, kk = _case(case)
+    if case == "signed_zero":  # -0.0 and +0.0 must tie (both key 0); a probe at key -1 is the score -0.0
+        s = torch.where(torch.arange(s.shape[1]) % 2 == 0, s, -s)
+        s[:, :24] = torch.where(torch.arange(24) % 2 == 0, 0.0, -0.0)
+        keys = _keys(s)
+    raw = s.view(torch.int32).clone()
+    raw[keys == I32_MIN] = -1  # RAW_NONE: the NaN whose key is INT32_MIN
+    want = torch.full((3, keys.shape[0]), 12345, dtype=torch.int32, device=device)
+    _probe[(1,)](keys.to(device), cnt.to(device), kk.to(device), want, R=keys.shape[0], CAP=keys.shape[1], KTH=2)
+    want = want.cpu()
+    got = torch.full((3, keys.shape[0]), 12345, dtype=torch.int32, device=device)
+    _probe_raw[(1,)](raw.to(device), cnt.to(device), kk.to(device), got, R=keys.shape[0], CAP=keys.shape[1],
+                     HW=device == "cuda")
+    assert torch.equal(got.cpu(), want), f"{case}: raw {got.cpu().tolist()} vs keys {want.tolist()}"
+    _check_contract(keys, cnt, kk, got.cpu())
+
+
+@interp
+@pytest.mark.parametrize("case", CASES + ["signed_zero"])
+def test_probe_raw_scores_match_keys(case):
+    _raw_vs_keys(case, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", CASES + ["signed_zero"])
+def test_gpu_probe_raw_scores_match_keys(case):
+    """The compiled count (PTX set.ge.u32.f32 and an integer sum) against the interpreter-free int-key search."""
+    _raw_vs_keys(case, "cuda")
 
 
 def _interp_cfg(H, topk, **kw):
