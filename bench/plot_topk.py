@@ -20,7 +20,9 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in csv.DictReader(open(a.csv)) if r["ms"] and not r["shape"].startswith("sweep")
+    # the main table's shapes only: config sweeps, A/B rounds, ablations and profiles are variants of one size
+    variant = ("sweep", "ab ", "ablate", "profile")
+    rows = [r for r in csv.DictReader(open(a.csv)) if r["ms"] and not r["shape"].startswith(variant)
             and "[not default" not in (r.get("note") or "")]  # launch overrides off the default shape
     # keep the latest measurement of each (shape, impl, T)
     latest = {}
