@@ -524,20 +524,19 @@ def ab_rounds(H, kk, S, sweep, keep, q, w, k, st, en, fl):
     against the median floor of its launch shape (warm_start / append / raw_keys / search_bits do not change
     the floor's code)."""
     cfgs = [(i, sweep[i] or default_config(H, kk, interpret=args.smoke)) for i in sorted(keep) if i < len(sweep)]
-    shape = launch_shape
     h_ms = {i: [] for i, _ in cfgs}
     f_ms = {}
     for r in range(args.ab_rounds):
         for i, cfg in cfgs:
-            if shape(cfg) not in f_ms or len(f_ms[shape(cfg)]) <= r:
-                f_ms.setdefault(shape(cfg), []).append(time_fn(lambda: hytopk_floor(
+            if launch_shape(cfg) not in f_ms or len(f_ms[launch_shape(cfg)]) <= r:
+                f_ms.setdefault(launch_shape(cfg), []).append(time_fn(lambda: hytopk_floor(
                     q, w, k, st, en, config=cfg, topk=kk, lazy_max=True), target_ms=300)[0])
             h_ms[i].append(time_fn(lambda: hytopk(q, w, k, st, en, kk, check_bounds=False, config=cfg),
                                    target_ms=300)[0])
         log(f"AB round {r}: " + ", ".join(f"cfg{i} {h_ms[i][-1]:.2f}" for i, _ in cfgs))
     for i, cfg in cfgs:
         h = statistics.median(h_ms[i])
-        f = statistics.median(f_ms[shape(cfg)])
+        f = statistics.median(f_ms[launch_shape(cfg)])
         hs = sorted(h_ms[i])
         log(f"AB H{H} S{S} cfg{i} {cfg}: hytopk {h:.2f} ms (rounds {hs[0]:.2f}-{hs[-1]:.2f}) floor {f:.2f} ms "
             f"x{h / f:.3f}")

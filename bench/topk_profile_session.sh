@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device call for HyTopK's time over the floor (issue #3): GPU tests of the HyTopK kernel, then the clock64
 # phase profile (bench/topk.py --parts profile: interleaved rounds against the lazy floor) at TP_S x TP_HEADS with
-# TP_VARIANTS (';'-separated json Config overrides), then, when TP_BASE names an older _kernel.py, the same profile
-# with that kernel swapped in (same machine, same call: an A/B of code changes that no Config field selects),
-# then each size of TP_S2 (e.g. "131072 262144") with TP_VARIANTS2.
-# Usage on the device (carry .whl-tl, and the folder of TP_BASE if any):  OUT=$OUT bash bench/topk_profile_session.sh
+# TP_VARIANTS (';'-separated json Config overrides; {"kernel": "ab_base/_kernel.py"} times an older kernel file
+# interleaved with the checkout's: an A/B of code changes that no Config field selects), then each size of TP_S2
+# (e.g. "131072 262144") with TP_VARIANTS2.
+# Usage on the device (carry .whl-tl, and ab_base if a variant names a file there):  OUT=$OUT bash bench/topk_profile_session.sh
 set -u
 source bench/device_env.sh
 OUT=${OUT:-/tmp/topk_prof}; mkdir -p "$OUT"
@@ -22,10 +22,5 @@ prof() {  # $1: out subfolder, $2: S, $3: variants
     --sweep-heads "${TP_HEADS:-64,32}" --ab-rounds "$ROUNDS" --profile-variants "$3" 2>&1 | grep -E "PROFILE|Error|error" 
 }
 prof new "${TP_S:-65536}" "${TP_VARIANTS:-}"
-if [ -n "${TP_BASE:-}" ]; then
-  cp kernels/hytopk/_kernel.py "$OUT/_kernel_new.py" && cp "$TP_BASE" kernels/hytopk/_kernel.py
-  prof base "${TP_S:-65536}" ""
-  cp "$OUT/_kernel_new.py" kernels/hytopk/_kernel.py
-fi
 for s2 in ${TP_S2:-}; do prof "new_$s2" "$s2" "${TP_VARIANTS2:-}"; done
 echo "== done ($(date +%T))"

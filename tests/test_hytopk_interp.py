@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
-from hyscale_kernels.hytopk import _kernel, hytopk, interpreter_active, op
+from hyscale_kernels.hytopk import hytopk, interpreter_active, op
 from hyscale_kernels.hytopk.op import default_config
 from hyscale_kernels.hytopk.reference import causal_bounds
 from interp_rerun import rerun_under_interpreter
@@ -100,18 +98,6 @@ def test_probe_interp_contract(case, interp_calls):
             assert torch.equal(got[:, r], radix[:, r]), f"row {r}: {got[:, r]} vs radix {radix[:, r]}"
 
 
-@triton.jit
-def _probe_raw(raw_ptr, cnt_ptr, kk_ptr, out_ptr, R: tl.constexpr, CAP: tl.constexpr, HW: tl.constexpr):
-    """_kth_interp on raw fp32-bit buffers [R, CAP] (holes RAW_NONE), as the default launches hold them: out [3, R]."""
-    o_r = tl.arange(0, R)
-    cnt = tl.load(cnt_ptr + o_r)
-    kk = tl.load(kk_ptr + o_r)
-    kth, n_gt, rank = _kernel._kth_interp(raw_ptr + o_r * CAP, cnt, kk, R, CAP, True, HW=HW)
-    tl.store(out_ptr + o_r, kth)
-    tl.store(out_ptr + R + o_r, n_gt)
-    tl.store(out_ptr + 2 * R + o_r, rank.to(tl.int32))
-
-
 def _raw_vs_keys(case, device):
     """The raw-score search (fp32 compares; on the GPU the FSET count) gives exactly the int-key search's result."""
     s, keys, cnt, kk = _case(case)
@@ -125,8 +111,8 @@ def _raw_vs_keys(case, device):
     _probe[(1,)](keys.to(device), cnt.to(device), kk.to(device), want, R=keys.shape[0], CAP=keys.shape[1], KTH=2)
     want = want.cpu()
     got = torch.full((3, keys.shape[0]), 12345, dtype=torch.int32, device=device)
-    _probe_raw[(1,)](raw.to(device), cnt.to(device), kk.to(device), got, R=keys.shape[0], CAP=keys.shape[1],
-                     HW=device == "cuda")
+    _probe[(1,)](raw.to(device), cnt.to(device), kk.to(device), got, R=keys.shape[0], CAP=keys.shape[1], KTH=2,
+                 RAW=True, HW=device == "cuda")
     assert torch.equal(got.cpu(), want), f"{case}: raw {got.cpu().tolist()} vs keys {want.tolist()}"
     _check_contract(keys, cnt, kk, got.cpu())
 

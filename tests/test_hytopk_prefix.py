@@ -30,12 +30,14 @@ I32_MIN = -(2**31)
 
 
 @triton.jit
-def _probe(key_ptr, cnt_ptr, kk_ptr, out_ptr, R: tl.constexpr, CAP: tl.constexpr, KTH: tl.constexpr):
-    """_kth_key2 on int32 key buffers [R, CAP]: out [3, R] = kth, n_gt, rank."""
+def _probe(key_ptr, cnt_ptr, kk_ptr, out_ptr, R: tl.constexpr, CAP: tl.constexpr, KTH: tl.constexpr,
+           RAW: tl.constexpr = False, HW: tl.constexpr = False):
+    """_kth_key2 on buffers [R, CAP] of int32 keys (RAW: raw fp32 bits, holes RAW_NONE, as the default launches
+    hold them; HW: the compiled count): out [3, R] = kth, n_gt, rank."""
     o_r = tl.arange(0, R)
     cnt = tl.load(cnt_ptr + o_r)
     kk = tl.load(kk_ptr + o_r)
-    kth, n_gt, rank = _kernel._kth_key2(key_ptr + o_r * CAP, cnt, kk, R, CAP, False, KTH=KTH)
+    kth, n_gt, rank = _kernel._kth_key2(key_ptr + o_r * CAP, cnt, kk, R, CAP, RAW, KTH=KTH, HW=HW)
     tl.store(out_ptr + o_r, kth)
     tl.store(out_ptr + R + o_r, n_gt)
     tl.store(out_ptr + 2 * R + o_r, rank.to(tl.int32))

@@ -411,7 +411,7 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     Compacting, every row is packed (the holes removed) and its slots past the kept ones reset to RAW_NONE.
     HW (compiled, not the interpreter): the rewrite's scattered stores are inline PTX in the chunk's own layout
     (_store1 / _store2); a tl.store first converted the pointers, values and mask to another layout through shared
-    memory (sm_90a final rewrite 742 -> see bench/NOTES_hytopk.md, session 18).
+    memory (sm_90a final rewrite 742 -> 577 instrs per chunk, bench/NOTES_hytopk.md session 18).
     """
     o_h = tl.arange(0, CHUNK)
     n_tot = _n_buffered(cnt, cnt_g, WARPS)  # [R]
@@ -441,7 +441,7 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     eq_seen = tl.zeros_like(cnt)  # [R] entries equal to kth seen so far
     # RAW: the rewrite compares the raw fp32 scores (key > kth <=> score >= _thr_score(kth); key == kth <=> key > kth - 1
     # and not key > kth; holes are NaN: no comparison holds), no int key per entry (sm_90a final rewrite chunk
-    # 597 -> see bench/NOTES_hytopk.md, session 18)
+    # 597 -> 550 instrs)
     t_gt = _thr_score(kth)  # [R] fp32
     t_ge = _thr_score(kth - 1)  # [R] (kth INT32_MIN: a NaN bound, nothing equal, as no real key is INT32_MIN)
     for i_c in range(0, CAP, CHUNK):
