@@ -651,7 +651,9 @@ class kernel_from:
     """Context: HyTopK's launches use the hytopk_kernel of another copy of kernels/hytopk/_kernel.py (path; None: the
     checkout's), e.g. the last commit's, so that a code change no Config field selects is timed interleaved with the
     current code in one process (--profile-variants '{"kernel": "ab_base/_kernel.py"}'). The floor keeps the current
-    kernel. op.py must be compatible with the file (same arguments and constexprs)."""
+    kernel. op.py must be compatible with the file (same arguments); constexprs the older kernel lacks are dropped
+    where they hold their off value (so a new Config field, left at its default, does not break the A/B), and refused
+    otherwise."""
 
     _mods: dict = {}
 
@@ -671,12 +673,25 @@ class kernel_from:
                 spec.loader.exec_module(mod)
                 self._mods[self.path] = mod
             _op._kernel = self._mods[self.path]
+            known = set(_op._kernel.hytopk_kernel.arg_names)
+            orig = self.saved_cx = _op.kernel_constexprs
+
+            def cx(*a, **kw):
+                const = orig(*a, **kw)
+                extra = {c: v for c, v in const.items() if c not in known}
+                if any(v for v in extra.values()):
+                    raise ValueError(f"kernel_from({self.path}): its kernel lacks the constexprs {extra}")
+                return {c: v for c, v in const.items() if c in known}
+
+            _op.kernel_constexprs = cx
         return self
 
     def __exit__(self, *exc):
         from hyscale_kernels.hytopk import op as _op
 
         _op._kernel = self.saved
+        if self.path:
+            _op.kernel_constexprs = self.saved_cx
         return False
 
 
@@ -759,10 +774,10 @@ if "profile" in args.parts:
             with kernel_from(kp):
                 _, pr = hytopk_profile(q, w, k, st, en, kk, config=c)
             tot = max(pr["total"], 1)
-            split = {ph: round(h * pr[ph] / tot, 3) for ph in PROFILE_PHASES[1:8]}
+            split = {ph: round(h * pr[ph] / tot, 3) for ph in PROFILE_PHASES[1:8] + ("final search",)}
             log(f"PROFILE H{H} S{S} {n}: {h:.2f} ms (rounds {min(ms[n]):.2f}-{max(ms[n]):.2f}) x floor {h / f:.3f}; "
                 + ", ".join(f"{ph} {v:.2f}" for ph, v in split.items())
-                + f"; {pr['row blocks']} row blocks, {pr['n compactions']} compactions"
+                + f"; {pr['row blocks']} row blocks, {pr['n compactions']} compactions, {pr['n segments']} segments"
                 + (f"; warm {json.dumps(warm_stats())}" if c.warm_start else ""))
             record(shape=f"profile {n}", impl="hytopk", H=H, D=D_I, topk=kk, T=S, S_keys=S, ms=h, ms_p20=p20, ms_p80=p80,
                    tflops=round(fl / h / 1e9, 1), x_floor=round(h / f, 3), config=json.dumps(c.__dict__),

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from hyscale_kernels.hytopk import hytopk, interpreter_active, op
+from hyscale_kernels.hytopk import _kernel, hytopk, interpreter_active, op
 from hyscale_kernels.hytopk.op import default_config
 from hyscale_kernels.hytopk.reference import causal_bounds
 from interp_rerun import rerun_under_interpreter
@@ -35,7 +37,8 @@ def interp_calls(monkeypatch):
     return _spy(monkeypatch, "_kth_interp")
 
 
-CASES = ["narrow", "wide", "equal", "sign", "small_rows", "holes", "per_row_k", "ties_at_k", "skewed", "dense"]
+CASES = ["narrow", "wide", "equal", "sign", "small_rows", "holes", "per_row_k", "ties_at_k", "skewed", "dense",
+         "denormal"]
 
 
 def _case(case):
@@ -70,6 +73,10 @@ def _case(case):
     elif case == "dense":  # adjacent floats (keys 0..39 apart, repeated): every probe is on or next to a key
         s = (0x3F800000 + torch.randint(0, 40, (R, CAP), generator=g, dtype=torch.int32)).view(torch.float32)
         s[2] = -s[2]
+    elif case == "denormal":  # scores around 0: denormals of both signs, +-0 (a flush to zero would tie them)
+        s = (torch.randint(0, 30, (R, CAP), generator=g, dtype=torch.int32)).view(torch.float32)
+        s[:, ::2] = -s[:, ::2]
+        s[1, :8] = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, -1e-40, 1.2e-38, -1.2e-38])
     else:  # "skewed": one huge outlier stretches the bracket (interpolation alone would crawl: bisection)
         s = 1.0 + torch.rand(R, CAP, generator=g)
         s[:, 0] = 1e30
@@ -127,8 +134,82 @@ def test_probe_raw_scores_match_keys(case):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", CASES + ["signed_zero"])
 def test_gpu_probe_raw_scores_match_keys(case):
-    """The compiled count (PTX set.ge.u32.f32 and an integer sum) against the interpreter-free int-key search."""
+    """The compiled count (the sign bit of an fp32 subtraction, summed) against the int-key search."""
     _raw_vs_keys(case, "cuda")
+
+
+def _edge_scores():
+    """fp32 scores [4, 64] that stress a count of keys >= x: +-0, denormals of both signs, the extremes, infinities,
+    NaN holes (RAW_NONE bits), ordinary values; and probe keys [4, n]: the distinct keys of the row, their
+    neighbours, key 0 and the keys next to it, as far as they lie where the searches probe (above the row's
+    smallest key, at most its largest)."""
+    v = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 2.8e-45, -2.8e-45, 1e-40, -1e-40, 1.1754942e-38, -1.1754942e-38,
+                      1.1754944e-38, -1.1754944e-38, 1.0, -1.0, 3.4028235e38, -3.4028235e38, float("inf"),
+                      float("-inf"), 0.5, -0.5, 1e-30, -1e-30, 7.0, -7.0])
+    g = torch.Generator().manual_seed(19)
+    s = v[torch.randint(0, v.numel(), (4, 64), generator=g)]
+    raw = s.view(torch.int32).clone()
+    raw[:, ::5] = -1  # NaN holes
+    keys = torch.where(raw == -1, I32_MIN, _keys(s))
+    xs = []
+    for r in range(4):
+        k = keys[r][keys[r] != I32_MIN].unique()
+        cand = torch.cat([k, k + 1, k - 1, torch.tensor([0, 1, -1, -2, 2], dtype=torch.int32)]).unique()
+        cand = cand[(cand > k.min()) & (cand <= k.max())]  # the searches' probes: inside (lo, hm]
+        xs.append(cand[torch.randperm(cand.numel(), generator=g)][:64])
+    n = min(x.numel() for x in xs)
+    return raw, keys, torch.stack([x[:n] for x in xs])
+
+
+def _count_keys(keys, x):
+    """[R, P]: for each probe x[r, p], the real keys (not INT32_MIN) of row r that are >= it."""
+    real = keys != I32_MIN
+    return ((keys[:, None, :] >= x[:, :, None]) & real[:, None, :]).sum(-1).to(torch.int32)
+
+
+def test_count_sign_bit_rule():
+    """The compiled count's rule, emulated in PyTorch (fp32 subtraction keeps denormals on the CPU; a NaN result is
+    read as the GPU's canonical NaN, sign clear): the sign bit of (score of key x - 1, or of key -2 at x = 0) - s is
+    set exactly for the scores whose key is >= x."""
+    raw, keys, xs = _edge_scores()
+    s = raw.view(torch.float32)
+    x_t = torch.where(xs == 0, -2, xs - 1)
+    t = torch.where(x_t >= 0, x_t, x_t ^ 0x7FFFFFFF).view(torch.float32)  # _key_to_score
+    d = t[:, :, None] - s[:, None, :]  # [R, P, C]
+    d = torch.where(torch.isnan(d), torch.tensor(float("nan")).abs(), d)  # canonical NaN: sign clear
+    got = ((d.view(torch.int32) >> 31) & 1).sum(-1).to(torch.int32)
+    assert torch.equal(got, _count_keys(keys, xs))
+
+
+@triton.jit
+def _count_kernel(raw_ptr, x_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr, P: tl.constexpr, HW: tl.constexpr):
+    """out [R, P]: _kernel._count_ge_f32 of the rows' raw fp32 scores [R, C] at each probe key x [R, P]."""
+    o_r = tl.arange(0, R)
+    b_s = tl.load(raw_ptr + o_r[:, None] * C + tl.arange(0, C)[None, :]).to(tl.float32, bitcast=True)
+    for i_p in tl.static_range(P):
+        x = tl.load(x_ptr + o_r * P + i_p)  # [R]
+        tl.store(out_ptr + o_r * P + i_p, _kernel._count_ge_f32(b_s, x, HW))
+
+
+def _count_run(device):
+    raw, keys, xs = _edge_scores()
+    out = torch.full(xs.shape, -7, dtype=torch.int32, device=device)
+    _count_kernel[(1,)](raw.to(device), xs.contiguous().to(device), out, R=4, C=64, P=xs.shape[1],
+                        HW=device == "cuda")
+    assert torch.equal(out.cpu(), _count_keys(keys, xs)), "count of keys >= x"
+
+
+@interp
+def test_count_interpreter():
+    """The interpreter's count (fp32 compares with the score of key x) on the edge values."""
+    _count_run("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_count_edges():
+    """The compiled sign-bit count (inline PTX sub.f32) on the edge values: denormals, +-0, infinities, NaN holes."""
+    _count_run("cuda")
 
 
 def _interp_cfg(H, topk, **kw):

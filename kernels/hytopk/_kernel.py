@@ -76,7 +76,9 @@ P_RERUN = tl.constexpr(6)  # cycles: key-loop passes re-run from -inf (warm-star
 P_FINAL = tl.constexpr(7)  # cycles: final select, output writes, padding
 P_BLOCKS = tl.constexpr(8)  # count: row blocks
 P_NCMP = tl.constexpr(9)  # count: compactions
-P_N = tl.constexpr(10)
+P_NSEG = tl.constexpr(10)  # count: key-loop segments (each restarts the tile loop's software pipeline)
+P_FSEARCH = tl.constexpr(11)  # cycles: the final select's k-th search with its buffer load (part of P_FINAL)
+P_N = tl.constexpr(12)
 
 
 RAW_NONE = tl.constexpr(-1)  # RAW buffers: the fp32 bits (a NaN) whose key is INT32_MIN (never counted)
@@ -294,15 +296,31 @@ def _illinois_update(x, c, up, dn, lo, hm, g_lo, g_hi, side, target):
 
 
 @triton.jit
-def _count_ge_f32(b_s, xs, HW: tl.constexpr):
-    """Per row: how many of the fp32 scores b_s [R, C] are >= xs [R] (NaN: never). HW: PTX set.ge.u32.f32 gives each
-    comparison as 0 / -1 in one instruction (FSET) and the sum is an integer tree: ~1.5 instructions per element,
-    where the compiled (b >= x).to(int32) sum took ~3.2 (ISETP, SEL and a bit-packed add)."""
+def _below_key(x):
+    """The largest score whose key is below key x [R] (x > INT32_MIN): the score of key x - 1, except at x = 0,
+    where key -1 is the score -0.0 (which ties +0.0, key 0): key -2 (the negative denormal next to 0) instead."""
+    return _key_to_score(tl.where(x == 0, -2, x - 1))
+
+
+@triton.jit
+def _count_ge_f32(b_s, x, HW: tl.constexpr):
+    """Per row: how many of the fp32 scores b_s [R, C] have a key >= x [R] int32 (NaN holes: never), for probes
+    above the row's smallest key (the searches probe inside (lo, hm]: key x - 1 is then a real score's or above it).
+
+    HW: no predicate per element. t - s with t = _below_key(x) (IEEE fp32 subtraction, no flush to zero) has its
+    sign bit set exactly when s > t, i.e. key(s) >= x: a nonzero difference has the exact sign; s == t gives +0;
+    a NaN hole gives the canonical NaN (sign clear); -0.0 scores count as +0.0 because t is never -0.0; infinities
+    follow. The bit is shifted down and summed as an integer: 2 instructions per element (FADD, then a
+    shift-and-add), independent across elements. Until session 19: PTX set.ge.u32.f32, which ptxas compiled to
+    FSETP + SEL on one predicate register, each SEL waiting on its FSETP (~2.5 instructions per element, serial).
+    The interpreter compares the scores with the score of key x."""
     if HW:
-        m = tl.inline_asm_elementwise("set.ge.u32.f32 $0, $1, $2;", "=r,f,f", [b_s, xs[:, None] + tl.zeros_like(b_s)],
-                                      dtype=tl.int32, is_pure=True, pack=1)
-        return -tl.sum(m, axis=1)
-    return tl.sum((b_s >= xs[:, None]).to(tl.int32), axis=1)
+        t = _below_key(x)  # [R]
+        b = tl.inline_asm_elementwise(
+            "{ .reg .f32 d; .reg .b32 b; sub.f32 d, $1, $2; mov.b32 b, d; shr.b32 $0, b, 31; }", "=r,f,f",
+            [t[:, None] + tl.zeros_like(b_s), b_s], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.sum(b, axis=1)
+    return tl.sum((b_s >= _key_to_score(x)[:, None]).to(tl.int32), axis=1)
 
 
 @triton.jit
@@ -351,7 +369,7 @@ def _kth_interp(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.c
     while n_live > 0:
         x, width = _interp_probe(lo, _bracket_gap(lo, hm), g_lo, g_hi, w_prev, kk, live)  # x in (lo, hm + 1)
         if RAW:
-            c = _count_ge_f32(b_keys, _key_to_score(x), HW)  # [R] f(x)
+            c = _count_ge_f32(b_keys, x, HW)  # [R] f(x)
         else:
             c = tl.sum((b_keys >= x[:, None]).to(tl.int32), axis=1)  # [R] f(x)
         hit = live & (c == kk)
@@ -393,11 +411,56 @@ def _tie_index_bound(key_rows, idx_rows, kth, n_eq, m_r, R: tl.constexpr, CAP: t
 
 
 @triton.jit
+def _rewrite_warps_raw(key_rows, idx_rows, dst_key, dst_idx, m_rows, t_gt, t_ge, n_eq, x_tie, o_h,
+                       FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+                       HW: tl.constexpr):
+    """_select_store's stable rewrite for append="warps" raw-score buffers (every slot read; holes are NaN, so no
+    comparison holds for them): keep each row's scores >= t_gt [R] (key > kth) and, where n_eq [R] > 0, those >= t_ge
+    (key == kth) whose key index is <= x_tie [R]. Returns the kept count [R].
+
+    The masks are int32 0 / 1 tensors from the start: as booleans, the [R, CHUNK] compares stayed live as predicates
+    across the prefix sum and the barrier, and ptxas spilled them to registers and back (P2R / SEL / ISETP: ~190 of
+    the final rewrite's 548 sm_90a instructions per 512-slot chunk were that one compare's line)."""
+    base = tl.zeros_like(n_eq)  # [R] kept so far
+    take = (n_eq > 0).to(tl.int32)[:, None]  # [R, 1] rows that keep some keys equal to kth
+    # chunk i_c + CHUNK is loaded while chunk i_c is ranked and stored (its L2 latency hidden): safe in place too,
+    # as chunk i_c's kept entries land at or below its own slots. Unmasked: the last one reads the CHUNK slots past
+    # the row (the next row's, or the scratch's padding: op._launch allocates CHUNK spare slots), never used
+    b_raw_n = tl.load(key_rows[:, None] + o_h[None, :])  # [R, CHUNK] fp32 bits (every slot is scratch memory)
+    b_i_n = tl.load(idx_rows[:, None] + o_h[None, :])  # [R, CHUNK]
+    for i_c in range(0, CAP, CHUNK):
+        b_raw = b_raw_n
+        b_i = b_i_n
+        o_nx = i_c + CHUNK + o_h  # [CHUNK] the next chunk's slots
+        b_raw_n = tl.load(key_rows[:, None] + o_nx[None, :])
+        b_i_n = tl.load(idx_rows[:, None] + o_nx[None, :])
+        b_s = b_raw.to(tl.float32, bitcast=True)
+        k_gt = (b_s >= t_gt[:, None]).to(tl.int32)  # [R, CHUNK] 1: key > kth
+        k_eq = (b_s >= t_ge[:, None]).to(tl.int32) - k_gt  # 1: key == kth (NaN: 0 - 0)
+        # key index <= x_tie <=> x_tie - b_i >= 0 (both >= 0: no overflow): the sign bit, no compare
+        k_keep = k_gt | (k_eq & take & ~((x_tie[:, None] - b_i) >> 31))  # [R, CHUNK] 0 / 1
+        pos = base[:, None] + tl.cumsum(k_keep, axis=1) - 1  # [R, CHUNK]
+        tl.debug_barrier()  # whole chunk read before any of it is overwritten (in place)
+        m_st = k_keep & m_rows.to(tl.int32)[:, None]  # [R, CHUNK] 0 / 1 (the stores test it != 0)
+        if FINAL:
+            if WRITE_SCORES:
+                p_s = (dst_key[:, None] + pos).to(tl.pointer_type(tl.int32))  # fp32 scores stored as their bits
+                b_sc = tl.where(b_s == 0.0, 0.0, b_s)  # the key's score: -0.0 folded onto +0.0
+                _store2(dst_idx[:, None] + pos, b_i, p_s, b_sc.to(tl.int32, bitcast=True), m_st, HW)
+            else:
+                _store1(dst_idx[:, None] + pos, b_i, m_st, HW)
+        else:
+            _store2(dst_key[:, None] + pos, b_raw, dst_idx[:, None] + pos, b_i, m_st, HW)
+        base += tl.sum(k_keep, axis=1)
+    return base
+
+
+@triton.jit
 def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                   FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr,
                   CHUNK: tl.constexpr, SEARCH2: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
                   WARPS: tl.constexpr = False, KTH: tl.constexpr = 0, FILTER: tl.constexpr = False, thr_keep=None,
-                  HW: tl.constexpr = False):
+                  HW: tl.constexpr = False, PROFILE: tl.constexpr = False, prof_ptr=None):
     """Keep each row's exact top-kk of its buffer (all of it where cnt <= kk), stably. Returns (kth, kept [R]).
 
     key_rows/idx_rows: [R] pointers to the rows' buffers. dst_*: [R] row pointers of the
@@ -412,7 +475,9 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     HW (compiled, not the interpreter): the rewrite's scattered stores are inline PTX in the chunk's own layout
     (_store1 / _store2); a tl.store first converted the pointers, values and mask to another layout through shared
     memory (sm_90a final rewrite 742 -> 577 instrs per chunk, bench/NOTES_hytopk.md session 18).
+    PROFILE (op.hytopk_profile): the cycles up to the end of the search are added to prof_ptr[P_FSEARCH].
     """
+    t_enter = _clock(PROFILE, not HW)
     o_h = tl.arange(0, CHUNK)
     n_tot = _n_buffered(cnt, cnt_g, WARPS)  # [R]
     need = n_tot > kk  # [R]
@@ -436,6 +501,9 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
         if WARPS:
             if n_rank > 0:
                 x_tie = _tie_index_bound(key_rows, idx_rows, kth, n_eq, need & rank, R, CAP, CHUNK, RAW)
+    if PROFILE:
+        tl.debug_barrier()
+        tl.atomic_add(prof_ptr + P_FSEARCH, _clock(PROFILE, not HW) - t_enter)
     # stable rewrite, chunk by chunk: an entry only moves down, past chunks already read
     base = tl.zeros_like(cnt)  # [R] kept so far
     eq_seen = tl.zeros_like(cnt)  # [R] entries equal to kth seen so far
@@ -444,6 +512,14 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     # 597 -> 550 instrs)
     t_gt = _thr_score(kth)  # [R] fp32
     t_ge = _thr_score(kth - 1)  # [R] (kth INT32_MIN: a NaN bound, nothing equal, as no real key is INT32_MIN)
+    if RAW and WARPS:  # the default buffers: int32 0 / 1 masks (see _rewrite_warps_raw)
+        base = _rewrite_warps_raw(key_rows, idx_rows, dst_key, dst_idx, m_rows, t_gt, t_ge, n_eq, x_tie, o_h,
+                                  FINAL, WRITE_SCORES, CAP, CHUNK, HW)
+        if not FINAL:  # the slots after the kept ones become holes for the next regions
+            tl.debug_barrier()
+            _fill_none(key_rows, base, R, CAP, CHUNK)
+        tl.debug_barrier()  # compacted buffer visible to every thread before the next appends
+        return kth, base
     for i_c in range(0, CAP, CHUNK):
         o_cc = i_c + o_h  # [CHUNK]
         m_v = _slot_valid(o_cc, cnt, WARPS)  # [R, CHUNK]
@@ -612,7 +688,7 @@ def _store1(p_a, v_a, m, HW: tl.constexpr):
             "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
             [p_a.to(tl.int64), v_a, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        tl.store(p_a, v_a, mask=m)
+        tl.store(p_a, v_a, mask=m != 0)  # m: bool or an int32 0 / 1 mask
 
 
 @triton.jit
@@ -626,8 +702,8 @@ def _store2(p_a, v_a, p_b, v_b, m, HW: tl.constexpr):
             "mov.b32 $0, 0; }", "=r,l,r,l,r,r", [p_a.to(tl.int64), v_a, p_b.to(tl.int64), v_b, m.to(tl.int32)],
             dtype=tl.int32, is_pure=False, pack=1)
     else:
-        tl.store(p_a, v_a, mask=m)
-        tl.store(p_b, v_b, mask=m)
+        tl.store(p_a, v_a, mask=m != 0)  # m: bool or an int32 0 / 1 mask
+        tl.store(p_b, v_b, mask=m != 0)
 
 
 @triton.jit
@@ -997,7 +1073,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
               APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False,
               RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, i_first=0,
-              BALLOT: tl.constexpr = False, PROFILE: tl.constexpr = False, c_cmp=0, n_cmp=0):
+              BALLOT: tl.constexpr = False, PROFILE: tl.constexpr = False, c_cmp=0, n_cmp=0, n_seg_run=0):
     """The row block's key loop (its tiles from i_first, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask), 2 "warps" (_key_warps: the key groups'
@@ -1005,7 +1081,8 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
     splits the free rest anew). RAW (mask, warps): raw-bit buffers, the candidate test against the segment's fp32
     bound. BALLOT (warps, Config.group_mask="ballot"): the tile loop carries the next free slots as [KEY_GROUPS, NG, R]
     (_key_warps). ABLATE >= 6 (benchmarks, no candidates): one segment, no free-space bound. PROFILE: c_cmp / n_cmp
-    (int64) gain the compactions' cycles and count. Returns (cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp)."""
+    (int64) gain the compactions' cycles and count, n_seg_run (int64) the segments. Returns (cnt, cnt_g, reg0, F, thr,
+    b_max, c_cmp, n_cmp, n_seg_run)."""
     WARPS: tl.constexpr = APPEND == 2
     NG: tl.constexpr = BLOCK_N // KEY_GROUPS
     i_n = i_first
@@ -1079,7 +1156,8 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
             cnt_g = nxt
         if WARPS:
             cnt_g -= reg0 + (tl.arange(0, KEY_GROUPS) * F)[:, None]
-    return cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp
+        n_seg_run += 1
+    return cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp, n_seg_run
 
 
 @triton.jit
@@ -1117,6 +1195,7 @@ def hytopk_kernel(
     c_final = c_setup
     n_blk = c_setup
     n_cmp = c_setup
+    n_seg_run = c_setup
     i_p = tl.program_id(0)
     RH: tl.constexpr = R * H
     o_d = tl.arange(0, D_P2)  # [D_P2]
@@ -1169,11 +1248,12 @@ def hytopk_kernel(
                     t1 = _clock(PROFILE, WHILE_LOOPS)
                     c_setup += t1 - t0
                     n_head = tl.minimum(n_tiles, WARM // BLOCK_N)  # WARM <= CAP: no compaction among them
-                    cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp = _key_loop(
+                    cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp, n_seg_run = _key_loop(
                         n_head, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max,
                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU,
                         SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH,
-                        ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp)
+                        ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp,
+                        n_seg_run=n_seg_run)
                     thr, cnt, cnt_g, reg0, F = _head_threshold(
                         key_rows, idx_rows, cnt, cnt_g, kk, tl.where(m_live, b_end - b_start, 0), m_t, R, CAP, CHUNK,
                         WARM_Z, WARM_MIN, SEARCH2, RAW, APPEND == 2, KTH)
@@ -1202,11 +1282,12 @@ def hytopk_kernel(
             i_pass = n_on * 0
             while i_pass < n_pass:
                 t0 = _clock(PROFILE, WHILE_LOOPS)
-                cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp = _key_loop(
+                cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp, n_seg_run = _key_loop(
                     n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                     idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                     WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH, ABLATE=ABLATE,
-                    i_first=i_first, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp)
+                    i_first=i_first, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp,
+                        n_seg_run=n_seg_run)
                 if PROFILE:
                     tl.debug_barrier()
                     dt = _clock(PROFILE, WHILE_LOOPS) - t0
@@ -1239,11 +1320,12 @@ def hytopk_kernel(
                 tl.debug_barrier()
             t1 = _clock(PROFILE, WHILE_LOOPS)
             c_setup += t1 - t0
-            cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp = _key_loop(
+            cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp, n_seg_run = _key_loop(
                 n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                 idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                 WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, KTH=KTH,
-                ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp)
+                ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp,
+                        n_seg_run=n_seg_run)
             if PROFILE:
                 tl.debug_barrier()
                 c_loop += _clock(PROFILE, WHILE_LOOPS) - t1
@@ -1255,7 +1337,8 @@ def hytopk_kernel(
             tl.debug_barrier()
             o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
             _select_store(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
-                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW, cnt_g, APPEND == 2, KTH, HW=not WHILE_LOOPS)
+                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW, cnt_g, APPEND == 2, KTH, HW=not WHILE_LOOPS,
+                          PROFILE=PROFILE, prof_ptr=prof_ptr)
             # -1 / -inf padding after the kept entries
             n_keep = tl.minimum(_n_buffered(cnt, cnt_g, APPEND == 2), kk)  # [R]
             o_h = tl.arange(0, CHUNK)
@@ -1289,3 +1372,4 @@ def hytopk_kernel(
         tl.atomic_add(prof_ptr + P_FINAL, c_final)
         tl.atomic_add(prof_ptr + P_BLOCKS, n_blk)
         tl.atomic_add(prof_ptr + P_NCMP, n_cmp)
+        tl.atomic_add(prof_ptr + P_NSEG, n_seg_run)

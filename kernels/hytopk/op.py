@@ -315,7 +315,7 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     meta = kernel_constexprs(cfg, H, D, topk, select=select, relu=relu, write_scores=select and return_scores,
                              ieee=q.dtype == torch.float32, interp=interp, lazy_max=lazy_max, ablate=ablate,
                              profile=prof is not None)
-    R, cap, warm = meta["R"], meta["CAP"], meta["WARM"]
+    R, cap, warm, chunk = meta["R"], meta["CAP"], meta["WARM"], meta["CHUNK"]
     if select and cfg.group_mask == "ballot" and not meta["BALLOT"] and cfg not in _ballot_ignored:
         _ballot_ignored.add(cfg)
         _log.info("hytopk: Config.group_mask='ballot' does not apply to this launch (it needs append='warps', "
@@ -334,7 +334,11 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
         out_idx = torch.empty((T, topk), dtype=torch.int32, device=dev)
         out_val = (torch.empty((T, topk), dtype=torch.float32, device=dev) if return_scores
                    else torch.empty((1,), dtype=torch.float32, device=dev))
-        scratch = torch.empty((2, n_prog, R, cap), dtype=torch.int32, device=dev)
+        # keys then indices, [n_prog, R, cap] each, and `chunk` spare slots: the select's rewrite loads the next chunk
+        # ahead, past the last row of the index half on its last step (read, never used)
+        n_buf = n_prog * R * cap
+        flat = torch.empty(2 * n_buf + chunk, dtype=torch.int32, device=dev)
+        scratch = (flat[:n_buf].view(n_prog, R, cap), flat[n_buf:2 * n_buf].view(n_prog, R, cap))
     else:
         out_idx = torch.empty((1,), dtype=torch.int32, device=dev)
         out_val = torch.empty((T,), dtype=torch.float32, device=dev)
@@ -523,7 +527,7 @@ def hytopk_ablation(q, w, k, starts, ends, topk: int, ablate: int, relu: bool = 
 
 # hytopk_profile's counters, in the kernel's P_* order: cycles (clock64, summed over programs) then counts
 PROFILE_PHASES = ("total", "setup", "warm sample", "warm select", "key loop", "compactions", "re-runs", "final select",
-                  "row blocks", "n compactions")
+                  "row blocks", "n compactions", "n segments", "final search")
 
 
 def hytopk_profile(q, w, k, starts, ends, topk: int, relu: bool = True,
