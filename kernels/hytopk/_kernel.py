@@ -577,6 +577,52 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
 
 
 @triton.jit
+def _halves(x):
+    """[R] -> ([R // 2] even rows, [R // 2] odd rows)."""
+    return tl.split(tl.reshape(x, [x.shape[0] // 2, 2]))
+
+
+@triton.jit
+def _halves2(x):
+    """[KG, R] -> ([KG, R // 2] even rows, [KG, R // 2] odd rows)."""
+    return tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+
+
+@triton.jit
+def _select_store_rows(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
+                       FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr,
+                       CHUNK: tl.constexpr, SEARCH2: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
+                       WARPS: tl.constexpr = False, KTH: tl.constexpr = 0, FILTER: tl.constexpr = False,
+                       thr_keep=None, HW: tl.constexpr = False, PROFILE: tl.constexpr = False, prof_ptr=None,
+                       SPLIT: tl.constexpr = 1):
+    """_select_store on the row block's rows, or (SPLIT 2, Config.select_split) on its even rows, then its odd rows:
+    each select then holds [R / 2, CAP] keys in registers instead of [R, CAP] (8-row tiles at CAP 4096 spill
+    otherwise). Same results, in row order."""
+    if SPLIT == 1:
+        return _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows, FINAL, WRITE_SCORES, R, CAP,
+                             CHUNK, SEARCH2, RAW, cnt_g, WARPS, KTH, FILTER, thr_keep, HW, PROFILE, prof_ptr)
+    kr0, kr1 = _halves(key_rows)
+    ir0, ir1 = _halves(idx_rows)
+    c0, c1 = _halves(cnt)
+    dk0, dk1 = _halves(dst_key)
+    di0, di1 = _halves(dst_idx)
+    m0, m1 = _halves(m_rows.to(tl.int32))
+    g0 = cnt_g
+    g1 = cnt_g
+    if WARPS:
+        g0, g1 = _halves2(cnt_g)
+    t0 = thr_keep
+    t1 = thr_keep
+    if FILTER:
+        t0, t1 = _halves(thr_keep)
+    kth0, base0 = _select_store(kr0, ir0, c0, kk, dk0, di0, m0 != 0, FINAL, WRITE_SCORES, R // 2, CAP, CHUNK,
+                                SEARCH2, RAW, g0, WARPS, KTH, FILTER, t0, HW, PROFILE, prof_ptr)
+    kth1, base1 = _select_store(kr1, ir1, c1, kk, dk1, di1, m1 != 0, FINAL, WRITE_SCORES, R // 2, CAP, CHUNK,
+                                SEARCH2, RAW, g1, WARPS, KTH, FILTER, t1, HW, PROFILE, prof_ptr)
+    return tl.reshape(tl.join(kth0, kth1), [R]), tl.reshape(tl.join(base0, base1), [R])
+
+
+@triton.jit
 def _block_columns(R: tl.constexpr, H: tl.constexpr, LANE_ROWS: tl.constexpr):
     """Flattened (row * H + head) of each column of the score tile's MMA, [R*H] int32.
 
@@ -872,7 +918,7 @@ def _warm_rank(n_vis, m_smp, kk, CAP: tl.constexpr, WARM_Z: tl.constexpr, WARM_M
 @triton.jit
 def _head_threshold(key_rows, idx_rows, cnt, cnt_g, kk, n_vis, m_t, R: tl.constexpr, CAP: tl.constexpr,
                     CHUNK: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr, SEARCH2: tl.constexpr,
-                    RAW: tl.constexpr, WARPS: tl.constexpr, KTH: tl.constexpr):
+                    RAW: tl.constexpr, WARPS: tl.constexpr, KTH: tl.constexpr, SPLIT: tl.constexpr = 1):
     """Config.warm_sample="head": the buffers hold every visible key of the row block's first tiles (appended from
     -inf); each row's threshold tau is set from them as _warm_threshold sets it from its spread sample (the j-th
     largest - 1, same rank rule), and the buffer is filtered to its keys > tau in place (stable; WARPS: packed).
@@ -891,8 +937,8 @@ def _head_threshold(key_rows, idx_rows, cnt, cnt_g, kk, n_vis, m_t, R: tl.conste
         kth = _kth_key(key_rows, cnt, j, tl.arange(0, CHUNK), R, CAP, CHUNK, RAW)
     tau = tl.where(on, kth - 1, INT32_MIN)  # keys tied with the j-th stay (as in _warm_threshold)
     tl.debug_barrier()  # the search done reading before the filter rewrites the buffer
-    _, kept = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP, CHUNK,
-                            SEARCH2, RAW, cnt_g, WARPS, KTH, FILTER=True, thr_keep=tau)
+    _, kept = _select_store_rows(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP, CHUNK,
+                            SEARCH2, RAW, cnt_g, WARPS, KTH, FILTER=True, thr_keep=tau, SPLIT=SPLIT)
     cnt_g = cnt_g * 0
     reg0 = tl.max(kept, axis=0)
     return tau, kept, cnt_g, reg0, (CAP - reg0) // KEY_GROUPS
@@ -1073,7 +1119,8 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
               SELECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SEARCH2: tl.constexpr,
               APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False,
               RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, i_first=0,
-              BALLOT: tl.constexpr = False, PROFILE: tl.constexpr = False, c_cmp=0, n_cmp=0, n_seg_run=0):
+              BALLOT: tl.constexpr = False, PROFILE: tl.constexpr = False, c_cmp=0, n_cmp=0, n_seg_run=0,
+              SPLIT: tl.constexpr = 1):
     """The row block's key loop (its tiles from i_first, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask), 2 "warps" (_key_warps: the key groups'
@@ -1096,8 +1143,8 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                 if free < MIN_FREE // KEY_GROUPS:
                     tl.debug_barrier()  # appends of earlier tiles visible to all threads
                     t0 = _clock(PROFILE, WHILE_LOOPS)
-                    kth, _ = _select_store(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP,
-                                        CHUNK, SEARCH2, RAW, cnt_g, True, KTH, HW=not WHILE_LOOPS)
+                    kth, _ = _select_store_rows(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP,
+                                        CHUNK, SEARCH2, RAW, cnt_g, True, KTH, HW=not WHILE_LOOPS, SPLIT=SPLIT)
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(_n_buffered(cnt, cnt_g, True), kk)
                     cnt_g = cnt_g * 0
@@ -1176,7 +1223,7 @@ def hytopk_kernel(
     APPEND: tl.constexpr = 0, LANE_ROWS: tl.constexpr = False, LAZY_MAX: tl.constexpr = False,
     RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, WARM_HEAD: tl.constexpr = False,
     BALLOT: tl.constexpr = False, PROFILE: tl.constexpr = False, WARM_WIN: tl.constexpr = False,
-    WARM_SLACK: tl.constexpr = 0.25, WARM_MU: tl.constexpr = 0.0,
+    WARM_SLACK: tl.constexpr = 0.25, WARM_MU: tl.constexpr = 0.0, SELECT_SPLIT: tl.constexpr = 1,
 ):
     """ABLATE (bench/topk.py --parts ablate only, via op.hytopk_ablation; the output is not a valid selection): 1 skips
     the final select and its output writes, 2 lets no key become a candidate in the key loop (no appends, hence no
@@ -1253,10 +1300,10 @@ def hytopk_kernel(
                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU,
                         SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH,
                         ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp,
-                        n_seg_run=n_seg_run)
+                        n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT)
                     thr, cnt, cnt_g, reg0, F = _head_threshold(
                         key_rows, idx_rows, cnt, cnt_g, kk, tl.where(m_live, b_end - b_start, 0), m_t, R, CAP, CHUNK,
-                        WARM_Z, WARM_MIN, SEARCH2, RAW, APPEND == 2, KTH)
+                        WARM_Z, WARM_MIN, SEARCH2, RAW, APPEND == 2, KTH, SPLIT=SELECT_SPLIT)
                     i_first = n_head
                     t0 = _clock(PROFILE, WHILE_LOOPS)
                     c_smp += t0 - t1  # the head's tiles and threshold (its select: P_SAMPLE too)
@@ -1287,7 +1334,7 @@ def hytopk_kernel(
                     idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                     WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH, ABLATE=ABLATE,
                     i_first=i_first, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp,
-                        n_seg_run=n_seg_run)
+                        n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT)
                 if PROFILE:
                     tl.debug_barrier()
                     dt = _clock(PROFILE, WHILE_LOOPS) - t0
@@ -1325,7 +1372,7 @@ def hytopk_kernel(
                 idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                 WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, KTH=KTH,
                 ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp,
-                        n_seg_run=n_seg_run)
+                        n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT)
             if PROFILE:
                 tl.debug_barrier()
                 c_loop += _clock(PROFILE, WHILE_LOOPS) - t1
@@ -1336,9 +1383,9 @@ def hytopk_kernel(
         elif SELECT:
             tl.debug_barrier()
             o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
-            _select_store(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
+            _select_store_rows(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
                           True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW, cnt_g, APPEND == 2, KTH, HW=not WHILE_LOOPS,
-                          PROFILE=PROFILE, prof_ptr=prof_ptr)
+                          PROFILE=PROFILE, prof_ptr=prof_ptr, SPLIT=SELECT_SPLIT)
             # -1 / -inf padding after the kept entries
             n_keep = tl.minimum(_n_buffered(cnt, cnt_g, APPEND == 2), kk)  # [R]
             o_h = tl.arange(0, CHUNK)

@@ -143,6 +143,10 @@ class Config:
     # loop (a fixed 1024 is 6% of a 16K row's, 1.6% of a 64K row's) and leaves every long row the same margin, so
     # about topk (1 + warm_z / sqrt(warm_mu)) candidates (1024 keys give 64K rows mu 32, 16K rows mu 128).
     warm_mu: float = 0.0
+    # the selects (compactions, the final select; append="warps") on the row block's rows at once (1) or on its even
+    # rows, then its odd rows (2): a select holds [rows, CAP] keys in registers, so 8-row tiles (rows_x_heads = 8 H)
+    # at topk 2048 spill unless split. Same output.
+    select_split: int = 1
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -183,6 +187,9 @@ def check_config(cfg: Config, interpret: bool) -> None:
           "set warm_mu=0 with the head sample")
     check(0.0 <= cfg.warm_z <= 8.0, f"hytopk: Config.warm_z must be in [0, 8] (standard deviations of margin), "
           f"got {cfg.warm_z}")
+    check(cfg.select_split in (1, 2), f"hytopk: Config.select_split must be 1 or 2, got {cfg.select_split}")
+    check(cfg.select_split == 1 or cfg.append == "warps",
+          f"hytopk: Config.select_split=2 needs append='warps', got append={cfg.append!r}; set select_split=1")
     check(cfg.group_mask in GROUP_MASKS,
           f"hytopk: Config.group_mask must be one of {GROUP_MASKS}, got {cfg.group_mask!r}")
     check(cfg.head_sum in HEAD_SUMS, f"hytopk: Config.head_sum must be one of {HEAD_SUMS}, got {cfg.head_sum!r}")
@@ -292,7 +299,8 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 WARM_HEAD=bool(select) and warm > 0 and cfg.warm_sample == "head",
                 BALLOT=bool(select) and cfg.group_mask == "ballot" and ballot_applies(cfg, R, H),
                 PROFILE=bool(profile), WARM_WIN=bool(select) and warm > 0 and cfg.warm_search == "window",
-                WARM_SLACK=float(cfg.warm_slack), WARM_MU=float(cfg.warm_mu) if warm > 0 else 0.0)
+                WARM_SLACK=float(cfg.warm_slack), WARM_MU=float(cfg.warm_mu) if warm > 0 else 0.0,
+                SELECT_SPLIT=int(cfg.select_split) if select else 1)
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):
