@@ -600,7 +600,8 @@ def _select_store_rows(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     otherwise). Same results, in row order."""
     if SPLIT == 1:
         return _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows, FINAL, WRITE_SCORES, R, CAP,
-                             CHUNK, SEARCH2, RAW, cnt_g, WARPS, KTH, FILTER, thr_keep, HW, PROFILE, prof_ptr)
+                             CHUNK, SEARCH2, RAW, cnt_g, WARPS, KTH, FILTER=FILTER, thr_keep=thr_keep, HW=HW,
+                             PROFILE=PROFILE, prof_ptr=prof_ptr)
     kr0, kr1 = _halves(key_rows)
     ir0, ir1 = _halves(idx_rows)
     c0, c1 = _halves(cnt)
@@ -616,9 +617,11 @@ def _select_store_rows(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     if FILTER:
         t0, t1 = _halves(thr_keep)
     kth0, base0 = _select_store(kr0, ir0, c0, kk, dk0, di0, m0 != 0, FINAL, WRITE_SCORES, R // 2, CAP, CHUNK,
-                                SEARCH2, RAW, g0, WARPS, KTH, FILTER, t0, HW, PROFILE, prof_ptr)
+                                SEARCH2, RAW, g0, WARPS, KTH, FILTER=FILTER, thr_keep=t0, HW=HW, PROFILE=PROFILE,
+                                prof_ptr=prof_ptr)
     kth1, base1 = _select_store(kr1, ir1, c1, kk, dk1, di1, m1 != 0, FINAL, WRITE_SCORES, R // 2, CAP, CHUNK,
-                                SEARCH2, RAW, g1, WARPS, KTH, FILTER, t1, HW, PROFILE, prof_ptr)
+                                SEARCH2, RAW, g1, WARPS, KTH, FILTER=FILTER, thr_keep=t1, HW=HW, PROFILE=PROFILE,
+                                prof_ptr=prof_ptr)
     return tl.reshape(tl.join(kth0, kth1), [R]), tl.reshape(tl.join(base0, base1), [R])
 
 

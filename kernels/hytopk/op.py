@@ -394,10 +394,10 @@ def _check_ballot_layout(kern) -> None:
     """Config.group_mask='ballot' computes slots from lane ids: valid only if Triton laid the candidate tile out as
     _kernel.BALLOT_LAYOUT says. Checked once per compiled kernel on its TTGIR (the layout of the ballot's inline-asm
     operand); a mismatch (another Triton version, another launch shape) raises instead of returning wrong slots."""
-    key = id(kern)
+    ttgir = kern.asm["ttgir"]
+    key = ttgir  # the text itself (its hash is cached): an id() could be reused by a later kernel object
     if key in _ballot_checked:
         return
-    ttgir = kern.asm["ttgir"]
     lines = [x for x in ttgir.splitlines() if "vote.sync.ballot" in x and "elementwise_inline_asm" in x]
     found = []
     for x in lines:
