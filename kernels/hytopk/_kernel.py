@@ -512,7 +512,8 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     # 597 -> 550 instrs)
     t_gt = _thr_score(kth)  # [R] fp32
     t_ge = _thr_score(kth - 1)  # [R] (kth INT32_MIN: a NaN bound, nothing equal, as no real key is INT32_MIN)
-    if RAW and WARPS:  # the default buffers: int32 0 / 1 masks (see _rewrite_warps_raw)
+    tl.static_assert(RAW or not WARPS, "append='warps' buffers hold raw scores (op.check_config)")
+    if WARPS:  # the default buffers (raw scores): int32 0 / 1 masks (see _rewrite_warps_raw)
         base = _rewrite_warps_raw(key_rows, idx_rows, dst_key, dst_idx, m_rows, t_gt, t_ge, n_eq, x_tie, o_h,
                                   FINAL, WRITE_SCORES, CAP, CHUNK, HW)
         if not FINAL:  # the slots after the kept ones become holes for the next regions
@@ -531,15 +532,11 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
         else:
             b_raw = tl.load(key_rows[:, None] + o_cc[None, :], mask=m_v, other=INT32_MIN)  # [R, CHUNK]
             b_k = b_raw
-            if WARPS:  # holes are no candidates
-                m_v = m_v & (b_k != INT32_MIN)
             m_gt = b_k > kth[:, None]
             m_eq = (b_k == kth[:, None]) & m_v
         # unmasked (every slot is scratch memory; entries outside m_v are never used): vector loads
         b_i = tl.load(idx_rows[:, None] + o_cc[None, :])  # [R, CHUNK]
-        if WARPS:  # by key index (x_tie = INT32_MAX where all or none of the row's ties fit)
-            m_take = m_eq & (n_eq[:, None] > 0) & (b_i <= x_tie[:, None])
-        elif SEARCH2:
+        if SEARCH2:
             if n_rank > 0:
                 r_eq = eq_seen[:, None] + tl.cumsum(m_eq.to(tl.int32), axis=1)  # [R, CHUNK] 1-based rank
                 m_take = m_eq & (r_eq <= n_eq[:, None])
@@ -563,15 +560,11 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
             else:
                 _store1(dst_idx[:, None] + pos, b_i, m_st, HW)
         else:
-            if not WARPS:  # rows that keep everything stay where they are (WARPS: packed, regions have holes)
-                m_st = m_st & need[:, None]
+            m_st = m_st & need[:, None]  # rows that keep everything stay where they are
             # the buffer's own format (keys or RAW bits)
             _store2(dst_key[:, None] + pos, b_raw, dst_idx[:, None] + pos, b_i, m_st, HW)
         base += tl.sum(m_keep.to(tl.int32), axis=1)
         eq_seen += tl.sum(m_eq.to(tl.int32), axis=1)
-    if WARPS and not FINAL:  # the slots after the kept ones become holes for the next regions
-        tl.debug_barrier()
-        _fill_none(key_rows, base, R, CAP, CHUNK)
     tl.debug_barrier()  # compacted buffer visible to every thread before the next appends
     return kth, base
 
@@ -1337,7 +1330,7 @@ def hytopk_kernel(
                     idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                     WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH, ABLATE=ABLATE,
                     i_first=i_first, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp,
-                        n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT)
+                    n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT)
                 if PROFILE:
                     tl.debug_barrier()
                     dt = _clock(PROFILE, WHILE_LOOPS) - t0
@@ -1375,7 +1368,7 @@ def hytopk_kernel(
                 idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                 WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, KTH=KTH,
                 ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp,
-                        n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT)
+                n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT)
             if PROFILE:
                 tl.debug_barrier()
                 c_loop += _clock(PROFILE, WHILE_LOOPS) - t1
