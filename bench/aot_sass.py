@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib.util
 import json
 import os
@@ -29,7 +30,7 @@ CLASSES = {"HGMMA": r"^HGMMA", "LDL": r"^LDL", "STL": r"^STL", "BAR": r"^BAR", "
 
 
 def compile_sass(heads: int, topk: int, overrides: dict, kernel_path: str | None, floor: bool, profile: bool,
-                 out: str) -> dict:
+                 out: str, maxnreg: int | None = None) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -44,10 +45,11 @@ def compile_sass(heads: int, topk: int, overrides: dict, kernel_path: str | None
     fn = mod.hytopk_kernel
     names = list(fn.arg_names)
     cfg = op.default_config(heads, topk)
-    for f, v in overrides.items():
-        if not hasattr(cfg, f):
-            raise SystemExit(f"--config: Config has no field {f!r}")
-        setattr(cfg, f, v)
+    bad = [f for f in overrides if not hasattr(cfg, f)]
+    if bad:
+        raise SystemExit(f"--config: Config has no field {bad}")
+    cfg = dataclasses.replace(cfg, **overrides)
+    maxnreg = maxnreg or op.register_cap(cfg)  # as op._launch caps it for cfg.programs_per_sm
     const = op.kernel_constexprs(cfg, heads, 128, topk, select=not floor, relu=True, write_scores=False,
                                  ieee=False, interp=False, lazy_max=floor, profile=profile)
     const = {c: v for c, v in const.items() if c in names}  # an older kernel file lacks newer constexprs
@@ -57,7 +59,8 @@ def compile_sass(heads: int, topk: int, overrides: dict, kernel_path: str | None
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
     k = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const, attrs),
                        target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                    **({"maxnreg": maxnreg} if maxnreg else {})))
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     open(os.path.join(out, "k.ptx"), "w").write(k.asm["ptx"])
     open(os.path.join(out, "k.ttgir"), "w").write(k.asm["ttgir"])
@@ -72,6 +75,7 @@ def compile_sass(heads: int, topk: int, overrides: dict, kernel_path: str | None
                                   ("stack", re.search(r"(\d+) bytes stack frame", r.stderr).group(1)),
                                   ("spill_st", re.search(r"(\d+) bytes spill stores", r.stderr).group(1)),
                                   ("spill_ld", re.search(r"(\d+) bytes spill loads", r.stderr).group(1))]}
+    res["smem"] = k.metadata.shared
     res["sass"] = sass
     return res
 
@@ -125,17 +129,19 @@ def main():
     p.add_argument("--kernel", default=None, help="another copy of kernels/hytopk/_kernel.py")
     p.add_argument("--floor", action="store_true", help="the no-selection floor (lazy max)")
     p.add_argument("--profile", action="store_true", help="the PROFILE build")
+    p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (default: op.register_cap of the "
+                   "config, e.g. 168 for programs_per_sm 3)")
     p.add_argument("--out", default=None, help="keep k.ptx / k.cubin / k.sass / k.ttgir here")
     p.add_argument("--min-loop", type=int, default=40, help="list loops of at least this many instructions")
     p.add_argument("--top-lines", type=int, default=4, help="source lines listed per loop")
     a = p.parse_args()
     out = a.out or tempfile.mkdtemp()
     os.makedirs(out, exist_ok=True)
-    res = compile_sass(a.heads, a.topk, json.loads(a.config), a.kernel, a.floor, a.profile, out)
+    res = compile_sass(a.heads, a.topk, json.loads(a.config), a.kernel, a.floor, a.profile, out, a.maxnreg)
     rows, lps = loops(res.pop("sass"))
     print(f"H{a.heads} k{a.topk} {a.config} {a.kernel or 'checkout'}{' floor' if a.floor else ''}: "
           f"{len(rows)} instrs, {res['registers']} regs, stack {res['stack']} B, "
-          f"spill st/ld {res['spill_st']}/{res['spill_ld']} B; {summary(rows)}")
+          f"spill st/ld {res['spill_st']}/{res['spill_ld']} B, smem {res['smem']} B; {summary(rows)}")
     for start, end, body in sorted(lps):
         if len(body) < a.min_loop:
             continue

@@ -514,8 +514,9 @@ BEST = {}
 
 
 def launch_shape(c):
-    """The Config fields that change the floor's code (block_n, rows, warps, stages, head sum order, lane rows)."""
-    return (c.block_n, c.rows_x_heads, c.num_warps, c.num_stages, c.head_sum, c.lane_rows)
+    """The Config fields that change the floor's code or grid (block_n, rows, warps, stages, head sum order, lane rows,
+    programs per SM)."""
+    return (c.block_n, c.rows_x_heads, c.num_warps, c.num_stages, c.head_sum, c.lane_rows, c.programs_per_sm)
 
 
 def ab_rounds(H, kk, S, sweep, keep, q, w, k, st, en, fl):

@@ -201,6 +201,24 @@ def test_head_sum_config_error():
         hytopk(q, w, k, st, en, 4, config=Config(head_sum="tree"))
 
 
+def test_register_cap_fits_programs_per_sm():
+    """programs_per_sm above what 255 registers per thread allow caps ptxas' registers so the programs fit one SM's
+    65536; a count that leaves fewer than 64 registers is refused, naming the fields."""
+    from hyscale_kernels.hytopk import op
+
+    assert op.register_cap(Config()) is None and op.register_cap(Config(programs_per_sm=1)) is None
+    assert op.register_cap(Config(programs_per_sm=3)) == 168  # 3 x 4 warps: 65536 / 384 = 170.7 -> 168
+    assert op.register_cap(Config(programs_per_sm=4)) == 128
+    assert op.register_cap(Config(programs_per_sm=2, num_warps=8)) == 128
+    for p in (3, 4):
+        assert p * 4 * 32 * op.register_cap(Config(programs_per_sm=p)) <= op.REGS_PER_SM
+        op.check_config(Config(programs_per_sm=p), interpret=False)
+    with pytest.raises(ValueError, match="programs_per_sm=9 with num_warps=4 leaves 56 registers"):
+        op.check_config(Config(programs_per_sm=9), interpret=False)
+    with pytest.raises(ValueError, match="programs_per_sm=0"):
+        op.check_config(Config(programs_per_sm=0), interpret=False)
+
+
 def test_lane_rows_needs_four_rows_and_even_heads():
     from hyscale_kernels.hytopk import op
 

@@ -45,6 +45,8 @@ class Config:
     num_warps: int = 4
     # 3 key-tile stages: 64K H64 92.5 -> 88.2 ms, floor 64.8 -> 62.2 (H200, session 7); H32 73.9 -> 68.3
     num_stages: int = 3
+    # persistent programs per SM (the grid is SMs x this). Above 2 (4 warps each), the registers per thread are capped
+    # so that they fit together (register_cap): 3 -> 168 per thread; shared memory must fit too (num_stages 2)
     programs_per_sm: int = 2
     cap_mult: int = 2  # candidate slots per row = cap_mult * topk (power of two, >= topk + 2*min free)
     min_free_tiles: int = 4  # compact a row block's buffers when fewer free slots than this many tiles
@@ -187,6 +189,10 @@ def check_config(cfg: Config, interpret: bool) -> None:
           "set warm_mu=0 with the head sample")
     check(0.0 <= cfg.warm_z <= 8.0, f"hytopk: Config.warm_z must be in [0, 8] (standard deviations of margin), "
           f"got {cfg.warm_z}")
+    check(cfg.programs_per_sm >= 1 and register_cap(cfg) in (None,) + tuple(range(64, 256, 8)),
+          f"hytopk: Config.programs_per_sm={cfg.programs_per_sm} with num_warps={cfg.num_warps} leaves "
+          f"{register_cap(cfg) if cfg.programs_per_sm >= 1 else 0} registers per thread (at least 64 needed); "
+          "lower programs_per_sm or num_warps")
     check(cfg.select_split in (1, 2), f"hytopk: Config.select_split must be 1 or 2, got {cfg.select_split}")
     check(cfg.select_split == 1 or cfg.append == "warps",
           f"hytopk: Config.select_split=2 needs append='warps', got append={cfg.append!r}; set select_split=1")
@@ -202,6 +208,18 @@ def _kth_mode(cfg: Config, select: bool) -> int:
     if cfg.kth_search == "interp":
         return 2
     return int(bool(cfg.select_prefix))
+
+
+REGS_PER_SM = 65536  # sm_80 / sm_90 register file (32-bit registers)
+
+
+def register_cap(cfg: Config) -> int | None:
+    """ptxas' per-thread register limit (maxnreg) for cfg.programs_per_sm programs of cfg.num_warps warps on one SM, or
+    None where the default limit (255) already lets them fit: the largest multiple of 8 that fits them."""
+    threads = cfg.programs_per_sm * cfg.num_warps * 32
+    if threads * 255 <= REGS_PER_SM:
+        return None
+    return (REGS_PER_SM // threads) // 8 * 8
 
 
 def _pow2_ceil(x: int) -> int:
@@ -354,9 +372,10 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     stats = torch.zeros(3, dtype=torch.int32, device=dev) if warm else out_idx
     if T == 0:
         return (out_idx, out_val) if (return_scores or not select) else out_idx
+    cap = {} if interp else {"maxnreg": register_cap(cfg)} if register_cap(cfg) else {}
     kern = _kernel.hytopk_kernel[(n_prog,)](
         q, w, k, starts, ends, out_idx, out_val, scratch[0], scratch[1], stats, stats if prof is None else prof,
-        T, S, topk, n_blocks, n_prog, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        T, S, topk, n_blocks, n_prog, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cap,
     )
     if meta["BALLOT"] and not interp and not _ballot_guard(kern, explicit=config is not None):
         return _launch(q, w, k, starts, ends, topk, relu, return_scores, select=select,  # the default, re-run
