@@ -38,13 +38,13 @@ def interp_calls(monkeypatch):
 
 
 CASES = ["narrow", "wide", "equal", "sign", "small_rows", "holes", "per_row_k", "ties_at_k", "skewed", "dense",
-         "denormal"]
+         "denormal", "long"]
 
 
 def _case(case):
     """Crafted buffers for the probe: (scores [R, CAP] fp32, keys [R, CAP] int32 with holes INT32_MIN, cnt, kk)."""
     g = torch.Generator().manual_seed(hash(case) % 1000)
-    R, CAP = 4, 64
+    R, CAP = 4, 512 if case == "long" else 64  # long: 4 runs of 128 slots (the search's row layout)
     kk = torch.full((R,), 20, dtype=torch.int32)
     cnt = torch.full((R,), CAP, dtype=torch.int32)
     if case == "narrow":
@@ -77,13 +77,18 @@ def _case(case):
         s = (torch.randint(0, 30, (R, CAP), generator=g, dtype=torch.int32)).view(torch.float32)
         s[:, ::2] = -s[:, ::2]
         s[1, :8] = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, -1e-40, 1.2e-38, -1.2e-38])
+    elif case == "long":  # holes, per-row k and counts over several 128-slot runs
+        s = torch.randn(R, CAP, generator=g) * torch.tensor([1.0, 10.0, 1e-3, 1.0])[:, None]
+        kk = torch.tensor([100, 250, 1, 150], dtype=torch.int32)
+        cnt = torch.tensor([CAP, 300, CAP, 200], dtype=torch.int32)
     else:  # "skewed": one huge outlier stretches the bracket (interpolation alone would crawl: bisection)
         s = 1.0 + torch.rand(R, CAP, generator=g)
         s[:, 0] = 1e30
         s[1, 1] = -1e30
     keys = _keys(s.float())
-    if case == "holes":
+    if case in ("holes", "long"):
         keys[:, ::3] = I32_MIN
+    if case == "holes":
         keys[3, 10:] = I32_MIN
     if case == "per_row_k":
         keys[3, 30:] = I32_MIN

@@ -5,7 +5,7 @@ The rewrite keeps, in slot order, each row's scores whose key is > kth and, wher
 move to the row's first slots; FINAL writes their indices (and, WRITE_SCORES, their scores with -0.0 folded onto
 +0.0) to the output rows. Rows outside m_rows write nothing. The masks are int32 0 / 1 tensors and the next chunk is
 loaded ahead (past the row's end on the last chunk: the buffer here has a chunk of padding, as op._launch allocates),
-so the cases cover several chunks, holes, signed zeros, ties cut by key index, rows that keep everything (kth
+so the cases cover several chunks (and chunks of several 128-slot runs, the row layout's unit), holes, signed zeros, ties cut by key index, rows that keep everything (kth
 INT32_MIN) and a masked row.
 
 CPU: the interpreter (plain masked stores); GPU: the inline-PTX stores.
@@ -24,7 +24,8 @@ from test_hytopk_prefix import I32_MIN, _keys
 
 INTERP = interpreter_active()
 interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
-R, CAP, CHUNK = 4, 64, 16
+R = 4
+GEOMETRIES = [(64, 16), (512, 256)]  # (CAP, CHUNK): one run of CHUNK slots per chunk; 256: two runs of 128 (LW)
 
 
 @triton.jit
@@ -44,12 +45,11 @@ def _rewrite_probe(key_ptr, idx_ptr, out_key_ptr, out_idx_ptr, rows_ptr, kth_ptr
     kth = tl.load(kth_ptr + o_r)
     base = _kernel._rewrite_warps_raw(key_rows, idx_rows, dst_key, dst_idx, tl.load(rows_ptr + o_r) != 0,
                                       _kernel._thr_score(kth), _kernel._thr_score(kth - 1), tl.load(neq_ptr + o_r),
-                                      tl.load(xtie_ptr + o_r), tl.arange(0, CHUNK), FINAL, WRITE_SCORES, CAP, CHUNK,
-                                      HW)
+                                      tl.load(xtie_ptr + o_r), FINAL, WRITE_SCORES, CAP, CHUNK, HW)
     tl.store(base_ptr + o_r, base)
 
 
-def _case():
+def _case(CAP):
     """(raw fp32 bits [R, CAP] with NaN holes, key indices [R, CAP], kth, n_eq, x_tie, m_rows) per row: 0 ties at
     the k-th key cut by key index, 1 keeps everything (kth INT32_MIN), 2 signed zeros at and above kth with holes in
     every chunk, 3 masked out."""
@@ -59,7 +59,7 @@ def _case():
     s[2, : CAP // 2] = torch.where(torch.arange(CAP // 2) % 2 == 0, 0.0, -0.0)
     raw = s.view(torch.int32).clone()
     raw[:, 5::7] = -1  # RAW_NONE holes, in every chunk
-    idx = torch.stack([torch.randperm(1000, generator=g)[:CAP] for _ in range(R)]).to(torch.int32)
+    idx = torch.stack([torch.randperm(4 * CAP, generator=g)[:CAP] for _ in range(R)]).to(torch.int32)
     keys = torch.where(raw == -1, I32_MIN, _keys(s))
     kth = torch.tensor([int(_keys(torch.tensor([0.25]))[0]), I32_MIN, 0, int(_keys(torch.tensor([0.1]))[0])],
                        dtype=torch.int32)
@@ -81,8 +81,8 @@ def _model(raw, idx, keys, kth, n_eq, x_tie, m_rows):
     return out
 
 
-def _run(device, final, write_scores):
-    raw, idx, keys, kth, n_eq, x_tie, m_rows = _case()
+def _run(device, final, write_scores, CAP, CHUNK):
+    raw, idx, keys, kth, n_eq, x_tie, m_rows = _case(CAP)
     pad = torch.full((CHUNK,), 123, dtype=torch.int32)  # the prefetch's over-read past the last row
     k_buf = torch.cat([raw.flatten(), pad]).to(device)
     i_buf = torch.cat([idx.flatten(), pad]).to(device)
@@ -115,17 +115,20 @@ def _run(device, final, write_scores):
 
 
 @interp
+@pytest.mark.parametrize("cap,chunk", GEOMETRIES)
 @pytest.mark.parametrize("final,write_scores", [(False, False), (True, False), (True, True)])
-def test_rewrite_matches_model(final, write_scores):
-    _run("cpu", final, write_scores)
+def test_rewrite_matches_model(final, write_scores, cap, chunk):
+    _run("cpu", final, write_scores, cap, chunk)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cap,chunk", GEOMETRIES + [(4096, 512)])
 @pytest.mark.parametrize("final,write_scores", [(False, False), (True, False), (True, True)])
-def test_gpu_rewrite_matches_model(final, write_scores):
-    """The compiled rewrite (int32 masks, inline-PTX stores, the next chunk loaded ahead)."""
-    _run("cuda", final, write_scores)
+def test_gpu_rewrite_matches_model(final, write_scores, cap, chunk):
+    """The compiled rewrite (int32 masks, inline-PTX stores, the next chunk loaded ahead; 4096 / 512: the default
+    launch's final select at H_I 32 / 64, four runs of 128 slots per chunk)."""
+    _run("cuda", final, write_scores, cap, chunk)
 
 
 def test_interpreter_in_subprocess():

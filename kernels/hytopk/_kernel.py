@@ -324,6 +324,26 @@ def _count_ge_f32(b_s, x, HW: tl.constexpr):
 
 
 @triton.jit
+def _sum_rows(b):
+    """[R, C0, C1] -> [R]: a row's sum: over C0 first (within each thread: C1 independent chains), then over C1
+    (one warp reduction; summed over C1 first, each of the C0 columns took a warp reduction of its own)."""
+    return tl.sum(tl.sum(b, axis=1), axis=1)
+
+
+@triton.jit
+def _count_ge_f32_rows(b_s, x, HW: tl.constexpr):
+    """_count_ge_f32 on the [R, C0, C1] row layout of _kth_interp: per row r, how many of b_s[r] have a key
+    >= x[r] (same rule: the sign bit of t - s, no predicate; the interpreter compares with the score of key x)."""
+    if HW:
+        t = _below_key(x)  # [R]
+        b = tl.inline_asm_elementwise(
+            "{ .reg .f32 d; .reg .b32 b; sub.f32 d, $1, $2; mov.b32 b, d; shr.b32 $0, b, 31; }", "=r,f,f",
+            [t[:, None, None] + tl.zeros_like(b_s), b_s], dtype=tl.int32, is_pure=True, pack=1)
+        return _sum_rows(b)
+    return _sum_rows((b_s >= _key_to_score(x)[:, None, None]).to(tl.int32))
+
+
+@triton.jit
 def _kth_interp(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
                 WARPS: tl.constexpr = False, HW: tl.constexpr = False):
     """Config.kth_search="interp": _kth_key2's contract (kth, n_gt, rank) by a bracketed interpolation search.
@@ -340,22 +360,34 @@ def _kth_interp(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.c
     int32 keys lo and hm = hi - 1 (hi = INT32_MAX + 1 would not fit), the probe arithmetic 32-bit. One count
     per pass instead of the radix's three for two bits. Rows with no more than kk real keys but more than kk
     buffered slots (invisible warm samples) get kth INT32_MIN, n_gt = their real keys, rank, as from the radix."""
-    o_all = tl.arange(0, CAP)  # [CAP]
-    m_all = _slot_valid(o_all, cnt, WARPS)  # [R, CAP]
+    # the buffer as [R, CAP // LW, LW] (slot = i * LW + j): a row's LW consecutive slots span one warp's lanes (4
+    # each), and the load's layout orders the dims by contiguity, ties by index (2, 0, 1), so the rows get the warps
+    # (R = num_warps): a row's counts reduce inside its warp (no shared memory or barrier per pass) and each thread
+    # works out its own row's probe only. As [R, CAP] every warp held a quarter of every row
+    LW: tl.constexpr = 128 if CAP >= 128 else CAP
+    o_all = tl.arange(0, CAP // LW)[None, :, None] * LW + tl.arange(0, LW)[None, None, :]  # [1, CAP // LW, LW]
+    if WARPS:  # every slot (holes hold RAW_NONE)
+        m_all = (o_all >= 0) & (cnt[:, None, None] >= 0)  # [R, CAP // LW, LW]
+    else:
+        m_all = o_all < cnt[:, None, None]
+    p_all = key_rows[:, None, None] + o_all  # [R, CAP // LW, LW]
     n_buf = _n_buffered(cnt, cnt_g, WARPS)  # [R]
     if RAW:  # the raw fp32 scores (holes: NaN), compared as floats: the key order without converting
-        b_keys = tl.load(key_rows[:, None] + o_all[None, :], mask=m_all, other=RAW_NONE).to(tl.float32, bitcast=True)
-        m_key = b_keys == b_keys  # [R, CAP] real (no score in a buffer is NaN: the key loop's test rejects them)
-        n_real = tl.sum(m_key.to(tl.int32), axis=1)  # [R]
-        b_k = _score_to_key(b_keys)  # [R, CAP] transient int keys (holes: a NaN's key, masked)
-        lo = tl.min(tl.where(m_key, b_k, INT32_MAX), axis=1)  # [R] f(lo) = n_real
-        hm = tl.max(tl.where(m_key, b_k, INT32_MIN), axis=1)  # [R] the upper end - 1: f(hm + 1) = 0
+        b_keys = tl.load(p_all, mask=m_all, other=RAW_NONE).to(tl.float32, bitcast=True)
+        if WARPS:  # every buffered entry is a real score (the key loop's test rejects NaN), every other slot a hole
+            n_real = n_buf
+        else:  # the warm sample: slots of keys the row does not see hold holes
+            n_real = _sum_rows((b_keys == b_keys).to(tl.int32))  # [R]
+        # the bracket's ends from the fp32 min / max (minnum / maxnum: the NaN holes drop out; -0.0 and +0.0 both give
+        # key 0), keyed per row: an int key per element first cost ~1000 sm_90a instructions and spills per select
+        lo = _score_to_key(tl.min(tl.min(b_keys, axis=1), axis=1))  # [R] f(lo) = n_real (rows without keys: unused)
+        hm = _score_to_key(tl.max(tl.max(b_keys, axis=1), axis=1))  # [R] the upper end - 1: f(hm + 1) = 0
     else:
-        b_keys = _load_keys(key_rows[:, None] + o_all[None, :], m_all, RAW)  # [R, CAP] (INT32_MIN: no key)
+        b_keys = _load_keys(p_all, m_all, RAW)  # [R, CAP // LW, LW] (INT32_MIN: no key)
         m_key = b_keys != INT32_MIN
-        n_real = tl.sum(m_key.to(tl.int32), axis=1)  # [R]
-        lo = tl.min(tl.where(m_key, b_keys, INT32_MAX), axis=1)  # [R] f(lo) = n_real
-        hm = tl.max(tl.where(m_key, b_keys, INT32_MIN), axis=1)  # [R] the upper end - 1: f(hm + 1) = 0
+        n_real = _sum_rows(m_key.to(tl.int32))  # [R]
+        lo = tl.min(tl.min(tl.where(m_key, b_keys, INT32_MAX), axis=1), axis=1)  # [R] f(lo) = n_real
+        hm = tl.max(tl.max(tl.where(m_key, b_keys, INT32_MIN), axis=1), axis=1)  # [R] the upper end - 1: f(hm + 1) = 0
     f_hi = tl.zeros_like(n_real)
     g_lo = n_real.to(tl.float32)  # [R] the ends' counts as the interpolation uses them (Illinois)
     g_hi = f_hi.to(tl.float32)
@@ -369,9 +401,9 @@ def _kth_interp(key_rows, cnt, kk, R: tl.constexpr, CAP: tl.constexpr, RAW: tl.c
     while n_live > 0:
         x, width = _interp_probe(lo, _bracket_gap(lo, hm), g_lo, g_hi, w_prev, kk, live)  # x in (lo, hm + 1)
         if RAW:
-            c = _count_ge_f32(b_keys, x, HW)  # [R] f(x)
+            c = _count_ge_f32_rows(b_keys, x, HW)  # [R] f(x)
         else:
-            c = tl.sum((b_keys >= x[:, None]).to(tl.int32), axis=1)  # [R] f(x)
+            c = _sum_rows((b_keys >= x[:, None, None]).to(tl.int32))  # [R] f(x)
         hit = live & (c == kk)
         up = live & (c > kk)
         dn = live & (c < kk)
@@ -411,7 +443,7 @@ def _tie_index_bound(key_rows, idx_rows, kth, n_eq, m_r, R: tl.constexpr, CAP: t
 
 
 @triton.jit
-def _rewrite_warps_raw(key_rows, idx_rows, dst_key, dst_idx, m_rows, t_gt, t_ge, n_eq, x_tie, o_h,
+def _rewrite_warps_raw(key_rows, idx_rows, dst_key, dst_idx, m_rows, t_gt, t_ge, n_eq, x_tie,
                        FINAL: tl.constexpr, WRITE_SCORES: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
                        HW: tl.constexpr):
     """_select_store's stable rewrite for append="warps" raw-score buffers (every slot read; holes are NaN, so no
@@ -420,38 +452,44 @@ def _rewrite_warps_raw(key_rows, idx_rows, dst_key, dst_idx, m_rows, t_gt, t_ge,
 
     The masks are int32 0 / 1 tensors from the start: as booleans, the [R, CHUNK] compares stayed live as predicates
     across the prefix sum and the barrier, and ptxas spilled them to registers and back (P2R / SEL / ISETP: ~190 of
-    the final rewrite's 548 sm_90a instructions per 512-slot chunk were that one compare's line)."""
+    the final rewrite's 548 sm_90a instructions per 512-slot chunk were that one compare's line).
+    A chunk is held as [R, CHUNK // LW, LW] (slot i * LW + j), the row layout of _kth_interp (a row per warp): the
+    prefix sum of the kept entries is a scan over each run of LW slots (inside a warp) plus the runs' totals before
+    it (inside each thread), with no cross-warp scan (shared memory and barriers) as [R, CHUNK] needed."""
+    LW: tl.constexpr = 128 if CHUNK >= 128 else CHUNK
+    o_h = tl.arange(0, CHUNK // LW)[None, :, None] * LW + tl.arange(0, LW)[None, None, :]  # [1, CHUNK // LW, LW]
     base = tl.zeros_like(n_eq)  # [R] kept so far
-    take = (n_eq > 0).to(tl.int32)[:, None]  # [R, 1] rows that keep some keys equal to kth
+    take = (n_eq > 0).to(tl.int32)[:, None, None]  # [R, 1, 1] rows that keep some keys equal to kth
     # chunk i_c + CHUNK is loaded while chunk i_c is ranked and stored (its L2 latency hidden): safe in place too,
     # as chunk i_c's kept entries land at or below its own slots. Unmasked: the last one reads the CHUNK slots past
     # the row (the next row's, or the scratch's padding: op._launch allocates CHUNK spare slots), never used
-    b_raw_n = tl.load(key_rows[:, None] + o_h[None, :])  # [R, CHUNK] fp32 bits (every slot is scratch memory)
-    b_i_n = tl.load(idx_rows[:, None] + o_h[None, :])  # [R, CHUNK]
+    b_raw_n = tl.load(key_rows[:, None, None] + o_h)  # [R, CHUNK // LW, LW] fp32 bits (all scratch memory)
+    b_i_n = tl.load(idx_rows[:, None, None] + o_h)
     for i_c in range(0, CAP, CHUNK):
         b_raw = b_raw_n
         b_i = b_i_n
-        o_nx = i_c + CHUNK + o_h  # [CHUNK] the next chunk's slots
-        b_raw_n = tl.load(key_rows[:, None] + o_nx[None, :])
-        b_i_n = tl.load(idx_rows[:, None] + o_nx[None, :])
+        o_nx = i_c + CHUNK + o_h  # the next chunk's slots
+        b_raw_n = tl.load(key_rows[:, None, None] + o_nx)
+        b_i_n = tl.load(idx_rows[:, None, None] + o_nx)
         b_s = b_raw.to(tl.float32, bitcast=True)
-        k_gt = (b_s >= t_gt[:, None]).to(tl.int32)  # [R, CHUNK] 1: key > kth
-        k_eq = (b_s >= t_ge[:, None]).to(tl.int32) - k_gt  # 1: key == kth (NaN: 0 - 0)
+        k_gt = (b_s >= t_gt[:, None, None]).to(tl.int32)  # [R, CHUNK // LW, LW] 1: key > kth
+        k_eq = (b_s >= t_ge[:, None, None]).to(tl.int32) - k_gt  # 1: key == kth (NaN: 0 - 0)
         # key index <= x_tie <=> x_tie - b_i >= 0 (both >= 0: no overflow): the sign bit, no compare
-        k_keep = k_gt | (k_eq & take & ~((x_tie[:, None] - b_i) >> 31))  # [R, CHUNK] 0 / 1
-        pos = base[:, None] + tl.cumsum(k_keep, axis=1) - 1  # [R, CHUNK]
+        k_keep = k_gt | (k_eq & take & ~((x_tie[:, None, None] - b_i) >> 31))  # 0 / 1
+        n_run = tl.sum(k_keep, axis=2)  # [R, CHUNK // LW] kept per run
+        pos = (base[:, None] + tl.cumsum(n_run, axis=1) - n_run)[:, :, None] + tl.cumsum(k_keep, axis=2) - 1
         tl.debug_barrier()  # whole chunk read before any of it is overwritten (in place)
-        m_st = k_keep & m_rows.to(tl.int32)[:, None]  # [R, CHUNK] 0 / 1 (the stores test it != 0)
+        m_st = k_keep & m_rows.to(tl.int32)[:, None, None]  # 0 / 1 (the stores test it != 0)
         if FINAL:
             if WRITE_SCORES:
-                p_s = (dst_key[:, None] + pos).to(tl.pointer_type(tl.int32))  # fp32 scores stored as their bits
+                p_s = (dst_key[:, None, None] + pos).to(tl.pointer_type(tl.int32))  # fp32 scores stored as their bits
                 b_sc = tl.where(b_s == 0.0, 0.0, b_s)  # the key's score: -0.0 folded onto +0.0
-                _store2(dst_idx[:, None] + pos, b_i, p_s, b_sc.to(tl.int32, bitcast=True), m_st, HW)
+                _store2(dst_idx[:, None, None] + pos, b_i, p_s, b_sc.to(tl.int32, bitcast=True), m_st, HW)
             else:
-                _store1(dst_idx[:, None] + pos, b_i, m_st, HW)
+                _store1(dst_idx[:, None, None] + pos, b_i, m_st, HW)
         else:
-            _store2(dst_key[:, None] + pos, b_raw, dst_idx[:, None] + pos, b_i, m_st, HW)
-        base += tl.sum(k_keep, axis=1)
+            _store2(dst_key[:, None, None] + pos, b_raw, dst_idx[:, None, None] + pos, b_i, m_st, HW)
+        base += tl.sum(n_run, axis=1)
     return base
 
 
@@ -514,7 +552,7 @@ def _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
     t_ge = _thr_score(kth - 1)  # [R] (kth INT32_MIN: a NaN bound, nothing equal, as no real key is INT32_MIN)
     tl.static_assert(RAW or not WARPS, "append='warps' buffers hold raw scores (op.check_config)")
     if WARPS:  # the default buffers (raw scores): int32 0 / 1 masks (see _rewrite_warps_raw)
-        base = _rewrite_warps_raw(key_rows, idx_rows, dst_key, dst_idx, m_rows, t_gt, t_ge, n_eq, x_tie, o_h,
+        base = _rewrite_warps_raw(key_rows, idx_rows, dst_key, dst_idx, m_rows, t_gt, t_ge, n_eq, x_tie,
                                   FINAL, WRITE_SCORES, CAP, CHUNK, HW)
         if not FINAL:  # the slots after the kept ones become holes for the next regions
             tl.debug_barrier()
