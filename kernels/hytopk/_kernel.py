@@ -834,15 +834,14 @@ BALLOT_LAYOUT = ("register = [[0, 8, 0]], lane = [[0, 0, 1], [0, 0, 2], [0, 1, 0
                  "warp = [[1, 0, 0], [2, 0, 0]]")
 _BALLOT_ASM = tl.constexpr(
     # $0 $1: slot offsets of the thread's keys j, j + 8 (earlier candidates of its (group, row)); $2 $3: the group's
-    # candidates in that row; $4 $5: the keys' candidate flags. Lane l holds row l % 4, keys l // 4 and l // 4 + 8.
-    "{ .reg .pred p0, p1; .reg .b32 ln, rm, lt, b0, b1, c0; "
+    # candidates in that row; $4 $5: the keys' candidate flags; $6 (= $7): the lanes of the thread's row
+    # (0x11111111 << lane % 4); $8 (= $9): %lanemask_lt. Lane l holds row l % 4, keys l // 4 and l // 4 + 8.
+    "{ .reg .pred p0, p1; .reg .b32 b0, b1, c0; "
     "setp.ne.b32 p0, $4, 0; setp.ne.b32 p1, $5, 0; "
     "vote.sync.ballot.b32 b0, p0, 0xffffffff; vote.sync.ballot.b32 b1, p1, 0xffffffff; "
-    "mov.u32 ln, %laneid; and.b32 ln, ln, 3; mov.b32 rm, 0x11111111; shl.b32 rm, rm, ln; "
-    "mov.u32 lt, %lanemask_lt; and.b32 b0, b0, rm; and.b32 b1, b1, rm; popc.b32 c0, b0; "
-    "and.b32 $0, b0, lt; popc.b32 $0, $0; and.b32 $1, b1, lt; popc.b32 $1, $1; add.s32 $1, $1, c0; "
+    "and.b32 b0, b0, $6; and.b32 b1, b1, $6; popc.b32 c0, b0; "
+    "and.b32 $0, b0, $8; popc.b32 $0, $0; and.b32 $1, b1, $8; popc.b32 $1, $1; add.s32 $1, $1, c0; "
     "popc.b32 $2, b1; add.s32 $2, $2, c0; mov.b32 $3, $2; }")
-
 
 @triton.jit
 def _group_slots_ballot(m_c, HW: tl.constexpr):
@@ -852,7 +851,16 @@ def _group_slots_ballot(m_c, HW: tl.constexpr):
     (op checks the compiled kernel). The interpreter runs the same lane arithmetic on that layout's model: key j of
     a group and row r sit in lane 4 (j % 8) + r, register j // 8 of the group's warp."""
     if HW:
-        off, n = tl.inline_asm_elementwise(_BALLOT_ASM, "=r,=r,=r,=r,r,r", [m_c.to(tl.int32)],
+        # the lane constants from the layout's index arithmetic (lane = 4 (j % 8) + r), not from %laneid /
+        # %lanemask_lt inside the asm: plain arithmetic on the thread index is loop-invariant and leaves the key loop
+        # (read in the asm, 2 S2R and 4 ALU instructions ran every tile)
+        NG: tl.constexpr = m_c.shape[1]
+        R: tl.constexpr = m_c.shape[2]
+        o_j = tl.arange(0, NG)[None, :, None]  # [1, NG, 1]
+        o_r = tl.arange(0, R)[None, None, :]  # [1, 1, R]
+        rm = tl.zeros(m_c.shape, tl.int32) + (0x11111111 << o_r)  # [KG, NG, R] the lanes of the element's row
+        lt = tl.zeros(m_c.shape, tl.int32) + ((1 << (4 * (o_j % 8) + o_r)) - 1)  # its %lanemask_lt
+        off, n = tl.inline_asm_elementwise(_BALLOT_ASM, "=r,=r,=r,=r,r,r,r,r,r,r", [m_c.to(tl.int32), rm, lt],
                                            dtype=(tl.int32, tl.int32), is_pure=True, pack=2)
     else:
         NG: tl.constexpr = m_c.shape[1]
