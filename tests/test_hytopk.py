@@ -347,7 +347,8 @@ def test_gpu_packed_segments():
 
 def test_validate_accepts_1m_tokens_and_rejects_int32_overflow():
     """1M tokens x top-2048 (2**31 output slots) is valid: output offsets are int64 in the kernel.
-    Only T * H_I (int32 row offsets of w and q rows) or S at 2**31 is refused. Meta tensors: no memory."""
+    Only T * H_I (int32 row offsets of w and q rows) or S at 2**31 is refused, and S x D_I at 2**31 (the key loop's
+    int32 offsets into k: 16M keys at D_I 128). Meta tensors: no memory."""
     from hyscale_kernels.hytopk.op import _validate
 
     def case(T, H, S):
@@ -360,6 +361,11 @@ def test_validate_accepts_1m_tokens_and_rejects_int32_overflow():
     _validate(q, w.bfloat16(), k, st, en, 2048, "auto", check_bounds=False)
     q, w, k, st, en = case(1 << 25, 64, 16)
     with pytest.raises(ValueError, match="must be < 2\\*\\*31"):
+        _validate(q, w.bfloat16(), k, st, en, 2048, "auto", check_bounds=False)
+    q, w, k, st, en = case(16, 64, (1 << 24) - 1)  # the largest key count at D_I 128 (int32 key offsets)
+    _validate(q, w.bfloat16(), k, st, en, 2048, "auto", check_bounds=False)
+    q, w, k, st, en = case(16, 64, 1 << 24)
+    with pytest.raises(ValueError, match="S x D_I = 16777216 x 128 elements: must be < 2\\*\\*31"):
         _validate(q, w.bfloat16(), k, st, en, 2048, "auto", check_bounds=False)
 
 

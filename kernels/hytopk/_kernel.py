@@ -702,9 +702,11 @@ def _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H
                  LANE_ROWS: tl.constexpr):
     """Key tile i_n: its key indices [BLOCK_N], scores [BLOCK_N, R] and visibility [BLOCK_N, R]."""
     o_s = lo + i_n * BLOCK_N + o_n  # [BLOCK_N] key indices
-    m_s = o_s < hi
-    b_k = tl.load(k_ptr + o_s.to(tl.int64)[:, None] * D + o_d[None, :],
-                  mask=m_s[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
+    # keys past the block's range (the last tile) re-read key hi - 1 instead of a masked load: their scores are never
+    # visible (m_vis: o_s < b_end <= hi). 32-bit offsets (op._validate: S * D < 2^31). A masked load with 64-bit
+    # offsets cost a compare, a select and 64-bit address arithmetic per row and tile
+    o_c = tl.minimum(o_s, hi - 1)  # [BLOCK_N]
+    b_k = tl.load(k_ptr + (o_c[:, None] * D + o_d[None, :]), mask=m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
     sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)  # [BLOCK_N, R]
     m_vis = (o_s[:, None] >= b_start[None, :]) & (o_s[:, None] < b_end[None, :])  # [BLOCK_N, R]
     return o_s, sc, m_vis

@@ -335,6 +335,7 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     [len(PROFILE_PHASES)] that the PROFILE kernel adds its phase counters to (hytopk_profile)."""
     T, H, D = q.shape
     S = k.shape[0]
+    _check_key_offsets(S, D)  # the benchmark entry points (floor, ablation, profile) skip _validate
     interp = interpreter_active()
     cfg = config or default_config(H, topk, interp)
     check_config(cfg, interp)
@@ -436,6 +437,12 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _check_key_offsets(S: int, D: int) -> None:
+    """The key loop addresses k with int32 element offsets (key * D_I + d): S * D_I must stay below 2**31."""
+    check(S * D < 2**31, f"k has S x D_I = {S} x {D} elements: must be < 2**31 (the key loop's int32 offsets; "
+          f"S up to {(2**31 - 1) // D} keys at D_I = {D})")
+
+
 def _validate(q, w, k, starts, ends, topk, impl, check_bounds):
     check_tensor("q", q, ndim=3, dtypes=_FLOAT)
     dev = q.device
@@ -461,6 +468,7 @@ def _validate(q, w, k, starts, ends, topk, impl, check_bounds):
         check(t.is_contiguous(), f"{name} must be contiguous (call .contiguous() first)")
     # in-kernel offsets into q / out / k are int64; S, T and T * H_I (the w and starts/ends rows) are int32
     check(S < 2**31 - 1 and T * H < 2**31, f"T * H_I ({T} x {H}) and S ({S}) must be < 2**31 (int32 row offsets)")
+    _check_key_offsets(S, D)
     if check_bounds and T > 0:
         lo = torch.stack([starts.min(), (ends - starts).min(), -ends.max()]).tolist()
         check(lo[0] >= 0, f"starts must be >= 0, got min {lo[0]}")
