@@ -95,6 +95,26 @@ def test_causal_ragged(T, S, H, topk, relu):
 
 
 @interp
+@pytest.mark.parametrize("relu", [True, False])
+def test_short_segments_last_tile_moved(relu):
+    """The key loop's last tile of a row block ends at the block's range (_tile_start): with packed segments shorter
+    than a tile in the middle of k, the loaded tile starts below the block's first key (keys of the segment before,
+    never visible); with S below a tile, k is padded to one. Same sets and scores as the reference."""
+    from hyscale_kernels.hytopk.reference import packed_causal_bounds
+
+    lens = [21, 3, 7, 1, 18, 2, 5]  # the interpreter's tile: 16 keys
+    st, en = packed_causal_bounds(lens)
+    T = sum(lens)
+    q, w, k = _inputs(T, T, 2, seed=11, w_sign=not relu)
+    idx, val = hytopk(q, w, k, st, en, 4, relu=relu, return_scores=True)
+    assert_same_selection(q, w, k, st, en, 4, relu, idx, val)
+    q, w, k = _inputs(6, 7, 2, seed=12)  # S = 7 < one tile
+    st, en = causal_bounds(6, 7, offset=1)
+    idx, val = hytopk(q, w, k, st, en, 3, relu=relu, return_scores=True)
+    assert_same_selection(q, w, k, st, en, 3, relu, idx, val)
+
+
+@interp
 def test_short_and_masked_rows():
     """Rows with fewer visible keys than topk (-1 padding), fully masked rows, topk > S."""
     T, S, H, topk = 12, 10, 2, 16

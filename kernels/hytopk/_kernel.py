@@ -697,18 +697,30 @@ def _row_block_scores(b_k, b_qT, b_w, H: tl.constexpr, R: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
+def _tile_start(i_n, lo, hi, BLOCK_N: tl.constexpr):
+    """The first key of key tile i_n as loaded (_tile_scores): its nominal start lo + i_n BLOCK_N, or for the last
+    tile, hi - BLOCK_N (at least 0), so that the tile ends at the block's range."""
+    return tl.maximum(tl.minimum(lo + i_n * BLOCK_N, hi - BLOCK_N), 0)
+
+
+@triton.jit
 def _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr,
                  R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr,
                  LANE_ROWS: tl.constexpr):
-    """Key tile i_n: its key indices [BLOCK_N], scores [BLOCK_N, R] and visibility [BLOCK_N, R]."""
-    o_s = lo + i_n * BLOCK_N + o_n  # [BLOCK_N] key indices
-    # keys past the block's range (the last tile) re-read key hi - 1 instead of a masked load: their scores are never
-    # visible (m_vis: o_s < b_end <= hi). 32-bit offsets (op._validate: S * D < 2^31). A masked load with 64-bit
-    # offsets cost a compare, a select and 64-bit address arithmetic per row and tile
-    o_c = tl.minimum(o_s, hi - 1)  # [BLOCK_N]
-    b_k = tl.load(k_ptr + (o_c[:, None] * D + o_d[None, :]), mask=m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
+    """Key tile i_n: its key indices [BLOCK_N], scores [BLOCK_N, R] and visibility [BLOCK_N, R].
+
+    The tile nominally covers keys [lo + i_n BLOCK_N, + BLOCK_N); the last one, past hi, is moved down to end at hi
+    (at 0 at the lowest: op._launch pads k to BLOCK_N rows), and the keys it shares with the tile before are not
+    visible (m_vis starts at the nominal start). So every load is in bounds and unmasked, its addresses one base plus
+    per-thread constants (the 8 row loads of a thread differ by immediates): a masked or clamped row load cost a
+    compare / select or a min, and its own 64-bit address, per row and tile. Offsets are int32 (S x D < 2^31,
+    op._check_key_offsets)."""
+    i_0 = lo + i_n * BLOCK_N  # the nominal start
+    i_s = _tile_start(i_n, lo, hi, BLOCK_N)  # the loaded tile's first key
+    o_s = i_s + o_n  # [BLOCK_N] key indices
+    b_k = tl.load(k_ptr + i_s * D + (o_n[:, None] * D + o_d[None, :]), mask=m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
     sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)  # [BLOCK_N, R]
-    m_vis = (o_s[:, None] >= b_start[None, :]) & (o_s[:, None] < b_end[None, :])  # [BLOCK_N, R]
+    m_vis = (o_s[:, None] >= tl.maximum(b_start, i_0)[None, :]) & (o_s[:, None] < b_end[None, :])  # [BLOCK_N, R]
     return o_s, sc, m_vis
 
 
@@ -808,7 +820,7 @@ def _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows,
         key = _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
                          H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)  # [BLOCK_N, R]
         m_c = key > thr[None, :]  # strict: a later key that ties the threshold loses
-    o_s = lo + i_n * BLOCK_N + o_n  # [BLOCK_N] key indices
+    o_s = _tile_start(i_n, lo, hi, BLOCK_N) + o_n  # [BLOCK_N] key indices
     b_bit = tl.full([BLOCK_N, R], 1, tl.int64) << o_n.to(tl.int64)[:, None]  # [BLOCK_N, R] each key's bit
     b_mask = tl.sum(tl.where(m_c, b_bit, 0), axis=0)  # [R] the row's candidates (bits are distinct)
     pos = cnt[None, :] + _popc64(b_mask[None, :] & (b_bit - 1), HW)  # [BLOCK_N, R] earlier candidates
@@ -904,7 +916,7 @@ def _key_warps(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, nxt, key_rows, idx
     key = tl.reshape(sc.to(tl.int32, bitcast=True), [KEY_GROUPS, NG, R])  # what the buffer holds
     o_g = tl.arange(0, KEY_GROUPS)
     o_j = tl.arange(0, NG)
-    o_k = lo + i_n * BLOCK_N + o_g[:, None] * NG + o_j[None, :]  # [KG, NG] key indices
+    o_k = _tile_start(i_n, lo, hi, BLOCK_N) + o_g[:, None] * NG + o_j[None, :]  # [KG, NG] key indices
     if BALLOT:
         off, n = _group_slots_ballot(m_c, HW)  # [KG, NG, R] each
         pos = nxt + off

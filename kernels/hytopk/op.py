@@ -339,6 +339,8 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     interp = interpreter_active()
     cfg = config or default_config(H, topk, interp)
     check_config(cfg, interp)
+    if 0 < S < cfg.block_n:  # the key loop loads whole tiles of k, unmasked (_tile_scores): pad k to one tile
+        k = torch.cat([k, k.new_zeros(cfg.block_n - S, D)])
     meta = kernel_constexprs(cfg, H, D, topk, select=select, relu=relu, write_scores=select and return_scores,
                              ieee=q.dtype == torch.float32, interp=interp, lazy_max=lazy_max, ablate=ablate,
                              profile=prof is not None)
