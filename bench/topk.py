@@ -651,8 +651,8 @@ def causal_shapes():
 class kernel_from:
     """Context: HyTopK's launches use the hytopk_kernel of another copy of kernels/hytopk/_kernel.py (path; None: the
     checkout's), e.g. the last commit's, so that a code change no Config field selects is timed interleaved with the
-    current code in one process (--profile-variants '{"kernel": "ab_base/_kernel.py"}'). The floor keeps the current
-    kernel. op.py must be compatible with the file (same arguments); constexprs the older kernel lacks are dropped
+    current code in one process (--profile-variants '{"kernel": "ab_base/_kernel.py"}'). The profile times each
+    file's own floor (its scoring loop) too. op.py must be compatible with the file (same arguments); constexprs the older kernel lacks are dropped
     where they hold their off value (so a new Config field, left at its default, does not break the A/B), and refused
     otherwise."""
 
@@ -756,21 +756,26 @@ if "profile" in args.parts:
                                             (args.profile_variants or "").split(";") if v.strip()
                                             for o, kp in [split_variant(v)]]
         ms = {n: [] for n, _, _ in cfgs}
-        shapes = {launch_shape(c): c for _, c, _ in cfgs}  # a variant that changes the launch shape gets its own floor
+        # a variant that changes the launch shape or the kernel file gets its own floor (the floor is that file's
+        # scoring loop: an A/B of kernel files compares each against its own)
+        shapes = {(launch_shape(c), kp): (c, kp) for _, c, kp in cfgs}
         f_ms = {sh: [] for sh in shapes}
         for r in range(rounds):  # interleaved: drift hits every config alike
             for n, c, kp in cfgs:
                 with kernel_from(kp):
                     ms[n].append(time_fn(lambda c=c: hytopk(q, w, k, st, en, kk, check_bounds=False, config=c),
                                          target_ms=300)[0])
-            for sh, c in shapes.items():
-                f_ms[sh].append(time_fn(lambda c=c: hytopk_floor(q, w, k, st, en, config=c, topk=kk, lazy_max=True),
-                                        target_ms=300)[0])
+            for sh, (c, kp) in shapes.items():
+                with kernel_from(kp):
+                    f_ms[sh].append(time_fn(lambda c=c: hytopk_floor(q, w, k, st, en, config=c, topk=kk,
+                                                                     lazy_max=True), target_ms=300)[0])
         fl_med = {sh: statistics.median(v) for sh, v in f_ms.items()}
-        log(f"PROFILE H{H} S{S} floor {fl_med[launch_shape(base)]:.2f} ms"
-            + "".join(f"; floor {sh}: {v:.2f} ms" for sh, v in fl_med.items() if sh != launch_shape(base)))
+        base_sh = (launch_shape(base), None)
+        log(f"PROFILE H{H} S{S} floor {fl_med[base_sh]:.2f} ms"
+            + "".join(f"; floor {sh[0]}{' ' + sh[1] if sh[1] else ''}: {v:.2f} ms" for sh, v in fl_med.items()
+                      if sh != base_sh))
         for n, c, kp in cfgs:
-            f = fl_med[launch_shape(c)]
+            f = fl_med[(launch_shape(c), kp)]
             h, p20, p80 = round_stats(ms[n])
             with kernel_from(kp):
                 _, pr = hytopk_profile(q, w, k, st, en, kk, config=c)
