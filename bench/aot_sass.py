@@ -57,6 +57,11 @@ def compile_sass(heads: int, topk: int, overrides: dict, kernel_path: str | None
                out_val_ptr="*fp32", buf_key_ptr="*i32", buf_idx_ptr="*i32", stats_ptr="*i32", prof_ptr="*i64",
                T="i32", S="i32", kk="i32", n_blocks="i32", n_p="i32")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
+    if "k_desc" in names:  # Config.k_tma: a host-side tensor descriptor of k; otherwise the None default
+        if const.get("K_TMA"):
+            sig["k_desc"] = f"tensordesc<bf16[{const['BLOCK_N']}, {const['D']}]>"
+        else:
+            const["k_desc"] = None
     k = triton.compile(ASTSource(fn, dict(sig, **{c: "constexpr" for c in const}), const, attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -100,7 +100,6 @@ def test_short_segments_last_tile_moved(relu):
     """The key loop's last tile of a row block ends at the block's range (_tile_start): with packed segments shorter
     than a tile in the middle of k, the loaded tile starts below the block's first key (keys of the segment before,
     never visible); with S below a tile, k is padded to one. Same sets and scores as the reference."""
-    from hyscale_kernels.hytopk.reference import packed_causal_bounds
 
     lens = [21, 3, 7, 1, 18, 2, 5]  # the interpreter's tile: 16 keys
     st, en = packed_causal_bounds(lens)
@@ -112,6 +111,38 @@ def test_short_segments_last_tile_moved(relu):
     st, en = causal_bounds(6, 7, offset=1)
     idx, val = hytopk(q, w, k, st, en, 3, relu=relu, return_scores=True)
     assert_same_selection(q, w, k, st, en, 3, relu, idx, val)
+
+
+@interp
+@pytest.mark.parametrize("relu", [True, False])
+def test_k_tma_same_selection(relu):
+    """Config.k_tma (the key tiles through a tensor descriptor of k): the reference's sets and scores on causal rows
+    with a CP offset, packed segments shorter than a tile and S below a tile; the same output as the pointer loads."""
+    from dataclasses import replace
+
+    from hyscale_kernels.hytopk.op import default_config
+
+    lens = [21, 3, 7, 1, 18, 2, 5]
+    cases = [(37, 45, causal_bounds(37, 45, offset=8)), (sum(lens), sum(lens), packed_causal_bounds(lens)),
+             (6, 7, causal_bounds(6, 7, offset=1))]
+    for T, S, (st, en) in cases:
+        q, w, k = _inputs(T, S, 2, seed=T, w_sign=not relu)
+        cfg = replace(default_config(2, 5, interpret=True), k_tma=True)
+        idx, val = hytopk(q, w, k, st, en, 5, relu=relu, return_scores=True, config=cfg)
+        assert_same_selection(q, w, k, st, en, 5, relu, idx, val)
+        base_i, base_v = hytopk(q, w, k, st, en, 5, relu=relu, return_scores=True)
+        assert torch.equal(idx, base_i) and torch.equal(val, base_v)
+
+
+def test_k_tma_needs_power_of_two_head_dim():
+    from hyscale_kernels.hytopk.op import _launch
+
+    q, w, k = _inputs(4, 8, 2, D=48, seed=1)
+    st, en = causal_bounds(4, 8, offset=4)
+    with pytest.raises(ValueError, match="Config.k_tma needs D_I a power of two"):
+        _launch(q, w, k, st, en, 2, True, False, config=Config(k_tma=True, block_n=16, rows_x_heads=4, num_warps=1,
+                                                               num_stages=1, programs_per_sm=1, min_free_tiles=1,
+                                                               sel_chunk=64))
 
 
 @interp
@@ -363,6 +394,28 @@ def test_gpu_packed_segments():
     idx = hytopk(q, w, k, st, en, 2048)
     rows = torch.arange(0, T, 97, device="cuda")
     assert_same_selection(q[rows].float(), w[rows].float(), k.float(), st[rows], en[rows], 2048, True, idx[rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("T,S,H,relu,packed", [(9000, 9000, 32, False, False), (6000, 6100, 64, True, False),
+                                               (6577, 6577, 64, True, True)])
+def test_gpu_k_tma_bit_identical(T, S, H, relu, packed):
+    """Config.k_tma (TMA bulk copies of the key tiles) gives the default launch's indices and scores bit for bit
+    (only the load path differs), on causal rows with a CP offset and on packed segments (one shorter than a tile)."""
+    from dataclasses import replace
+
+    from hyscale_kernels.hytopk.op import default_config
+
+    q, w, k = _inputs(T, S, H, D=128, seed=T, dtype=torch.bfloat16, device="cuda", w_sign=not relu)
+    if packed:
+        st, en = packed_causal_bounds([1000, 3000, 40, 2537], device="cuda")
+    else:
+        st, en = causal_bounds(T, S, offset=S - T, device="cuda")
+    base_i, base_v = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True)
+    cfg = replace(default_config(H, 2048), k_tma=True)
+    idx, val = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=cfg)
+    assert torch.equal(idx, base_i) and torch.equal(val, base_v)
 
 
 def test_validate_accepts_1m_tokens_and_rejects_int32_overflow():

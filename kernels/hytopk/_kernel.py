@@ -706,7 +706,7 @@ def _tile_start(i_n, lo, hi, BLOCK_N: tl.constexpr):
 @triton.jit
 def _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr,
                  R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr,
-                 LANE_ROWS: tl.constexpr):
+                 LANE_ROWS: tl.constexpr, K_TMA: tl.constexpr = False):
     """Key tile i_n: its key indices [BLOCK_N], scores [BLOCK_N, R] and visibility [BLOCK_N, R].
 
     The tile nominally covers keys [lo + i_n BLOCK_N, + BLOCK_N); the last one, past hi, is moved down to end at hi
@@ -718,7 +718,10 @@ def _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H
     i_0 = lo + i_n * BLOCK_N  # the nominal start
     i_s = _tile_start(i_n, lo, hi, BLOCK_N)  # the loaded tile's first key
     o_s = i_s + o_n  # [BLOCK_N] key indices
-    b_k = tl.load(k_ptr + i_s * D + (o_n[:, None] * D + o_d[None, :]), mask=m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
+    if K_TMA:  # Config.k_tma: k_ptr is a tensor descriptor of k [S, D] with block [BLOCK_N, D]: one bulk copy
+        b_k = k_ptr.load([i_s, 0])  # [BLOCK_N, D]
+    else:
+        b_k = tl.load(k_ptr + i_s * D + (o_n[:, None] * D + o_d[None, :]), mask=m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
     sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)  # [BLOCK_N, R]
     m_vis = (o_s[:, None] >= tl.maximum(b_start, i_0)[None, :]) & (o_s[:, None] < b_end[None, :])  # [BLOCK_N, R]
     return o_s, sc, m_vis
@@ -728,12 +731,12 @@ def _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H
 def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, key_rows, idx_rows,
               o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
               RELU: tl.constexpr, SELECT: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr,
-              LAZY_MAX: tl.constexpr = False):
+              LAZY_MAX: tl.constexpr = False, K_TMA: tl.constexpr = False):
     """One key tile: score it and append each row's new candidates (the caller made room). The floor
     (SELECT=False) keeps a running max instead: per row [R] (a cross-warp max every tile) or, LAZY_MAX,
     per element [BLOCK_N, R] (no per-tile reduction; reduced once after the key loop)."""
     o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
-                                  H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)
+                                  H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS, K_TMA=K_TMA)
     if SELECT:
         key = tl.where(m_vis, _score_to_key(sc), INT32_MIN)  # [BLOCK_N, R]
         m_c = key > thr[None, :]  # strict: a later key that ties the threshold loses
@@ -750,10 +753,11 @@ def _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max, ke
 
 @triton.jit
 def _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr,
-               R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr):
+               R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, LANE_ROWS: tl.constexpr,
+               K_TMA: tl.constexpr = False):
     """Key tile i_n scored as in _key_tile: int32 keys [BLOCK_N, R], INT32_MIN where not visible."""
     o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
-                                  H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)
+                                  H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS, K_TMA=K_TMA)
     return tl.where(m_vis, _score_to_key(sc), INT32_MIN)
 
 
@@ -803,7 +807,8 @@ def _store2(p_a, v_a, p_b, v_b, m, HW: tl.constexpr):
 @triton.jit
 def _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows, o_n, o_d, m_d,
               H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
-              IEEE: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr, RAW: tl.constexpr = False, thr_f=None):
+              IEEE: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr, RAW: tl.constexpr = False, thr_f=None,
+              K_TMA: tl.constexpr = False):
     """Key tile i_n with a bit-mask append (Config.append="mask", BLOCK_N <= 64): no prefix sum.
 
     Each row's candidates become one int64 mask (bit j = key j of the tile) by a sum over the tile's
@@ -813,12 +818,12 @@ def _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows,
     no int key conversion per score (the select converts the few buffered ones)."""
     if RAW:
         o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
-                                      H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)
+                                      H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS, K_TMA=K_TMA)
         m_c = m_vis & (sc >= thr_f[None, :])  # [BLOCK_N, R] = key > thr (strict: a later tie loses)
         key = sc.to(tl.int32, bitcast=True)  # [BLOCK_N, R] what the buffer holds
     else:
         key = _tile_keys(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
-                         H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)  # [BLOCK_N, R]
+                         H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS, K_TMA=K_TMA)  # [BLOCK_N, R]
         m_c = key > thr[None, :]  # strict: a later key that ties the threshold loses
     o_s = _tile_start(i_n, lo, hi, BLOCK_N) + o_n  # [BLOCK_N] key indices
     b_bit = tl.full([BLOCK_N, R], 1, tl.int64) << o_n.to(tl.int64)[:, None]  # [BLOCK_N, R] each key's bit
@@ -899,7 +904,8 @@ def _group_slots_ballot(m_c, HW: tl.constexpr):
 @triton.jit
 def _key_warps(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, nxt, key_rows, idx_rows, o_n, o_d, m_d,
                H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr,
-               IEEE: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr, thr_f, BALLOT: tl.constexpr = False):
+               IEEE: tl.constexpr, HW: tl.constexpr, LANE_ROWS: tl.constexpr, thr_f, BALLOT: tl.constexpr = False,
+               K_TMA: tl.constexpr = False):
     """Key tile i_n appended per key group (Config.append="warps"; raw-bit buffers, the fp32 bound thr_f).
 
     The tile's keys split into KEY_GROUPS groups of NG consecutive keys (on the GPU: one warp's MMA rows each).
@@ -911,7 +917,7 @@ def _key_warps(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, nxt, key_rows, idx
     (repeated along NG: no reduction over the warp's lanes), the slots from _group_slots_ballot."""
     NG: tl.constexpr = BLOCK_N // KEY_GROUPS
     o_s, sc, m_vis = _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d,
-                                  H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)
+                                  H, D, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS, K_TMA=K_TMA)
     m_c = tl.reshape(m_vis & (sc >= thr_f[None, :]), [KEY_GROUPS, NG, R])  # key > thr (strict: a later tie loses)
     key = tl.reshape(sc.to(tl.int32, bitcast=True), [KEY_GROUPS, NG, R])  # what the buffer holds
     o_g = tl.arange(0, KEY_GROUPS)
@@ -1150,21 +1156,22 @@ def _append_step(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, thr,
                  o_n, o_d, m_d, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
                  RELU: tl.constexpr, SELECT: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr, HW: tl.constexpr,
                  LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False, RAW: tl.constexpr = False, thr_f=None,
-                 BALLOT: tl.constexpr = False):
+                 BALLOT: tl.constexpr = False, K_TMA: tl.constexpr = False):
     """One step of the key loop from tile i_n: Config.append's way (the floor, SELECT=False, always tiles).
     APPEND 2 ("warps"): cnt_g holds the key groups' next free slots [KEY_GROUPS, R] (BALLOT: [KEY_GROUPS, NG, R],
     see _key_loop)."""
     if APPEND == 2 and SELECT:
         cnt_g = _key_warps(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt_g, key_rows, idx_rows,
                            o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW, LANE_ROWS, thr_f,
-                           BALLOT=BALLOT)  # cnt_g: next slots
+                           BALLOT=BALLOT, K_TMA=K_TMA)  # cnt_g: next slots
     elif APPEND == 1 and SELECT:
         cnt = _key_mask(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, key_rows, idx_rows,
-                        o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW, LANE_ROWS=LANE_ROWS, RAW=RAW, thr_f=thr_f)
+                        o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, IEEE, HW, LANE_ROWS=LANE_ROWS, RAW=RAW, thr_f=thr_f,
+                        K_TMA=K_TMA)
     else:
         cnt, thr, b_max = _key_tile(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, cnt, thr, b_max,
                                     key_rows, idx_rows, o_n, o_d, m_d, H, D, R, BLOCK_N, RELU, SELECT, IEEE,
-                                    LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX)
+                                    LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, K_TMA=K_TMA)
     return cnt, cnt_g, thr, b_max
 
 
@@ -1176,7 +1183,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
               APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False,
               RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, i_first=0,
               BALLOT: tl.constexpr = False, PROFILE: tl.constexpr = False, c_cmp=0, n_cmp=0, n_seg_run=0,
-              SPLIT: tl.constexpr = 1):
+              SPLIT: tl.constexpr = 1, K_TMA: tl.constexpr = False):
     """The row block's key loop (its tiles from i_first, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask), 2 "warps" (_key_warps: the key groups'
@@ -1184,8 +1191,9 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
     splits the free rest anew). RAW (mask, warps): raw-bit buffers, the candidate test against the segment's fp32
     bound. BALLOT (warps, Config.group_mask="ballot"): the tile loop carries the next free slots as [KEY_GROUPS, NG, R]
     (_key_warps). ABLATE >= 6 (benchmarks, no candidates): one segment, no free-space bound. PROFILE: c_cmp / n_cmp
-    (int64) gain the compactions' cycles and count, n_seg_run (int64) the segments. Returns (cnt, cnt_g, reg0, F, thr,
-    b_max, c_cmp, n_cmp, n_seg_run)."""
+    (int64) gain the compactions' cycles and count, n_seg_run (int64) the segments. K_TMA (Config.k_tma): k_ptr is
+    a tensor descriptor of k (the tiles by bulk copies, _tile_scores). Returns (cnt, cnt_g, reg0, F, thr, b_max,
+    c_cmp, n_cmp, n_seg_run)."""
     WARPS: tl.constexpr = APPEND == 2
     NG: tl.constexpr = BLOCK_N // KEY_GROUPS
     i_n = i_first
@@ -1243,7 +1251,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                                                     thr, b_max, key_rows, idx_rows, o_n, o_d, m_d, H, D,
                                                     R, BLOCK_N, RELU, SELECT, IEEE, APPEND, not WHILE_LOOPS,
                                                     LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, thr_f=thr_f,
-                                                    BALLOT=BALLOT)
+                                                    BALLOT=BALLOT, K_TMA=K_TMA)
                 i_n += 1
         else:
             for i_j in range(i_n, i_n + n_seg):
@@ -1251,7 +1259,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                                                     thr, b_max, key_rows, idx_rows, o_n, o_d, m_d, H, D,
                                                     R, BLOCK_N, RELU, SELECT, IEEE, APPEND, not WHILE_LOOPS,
                                                     LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, thr_f=thr_f,
-                                                    BALLOT=BALLOT)
+                                                    BALLOT=BALLOT, K_TMA=K_TMA)
             i_n += n_seg
         if BALLOT:
             cnt_g = tl.max(nxt, axis=1)  # [KG, R] (repeated along NG)
@@ -1280,6 +1288,7 @@ def hytopk_kernel(
     RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, WARM_HEAD: tl.constexpr = False,
     BALLOT: tl.constexpr = False, PROFILE: tl.constexpr = False, WARM_WIN: tl.constexpr = False,
     WARM_SLACK: tl.constexpr = 0.25, WARM_MU: tl.constexpr = 0.0, SELECT_SPLIT: tl.constexpr = 1,
+    k_desc=None, K_TMA: tl.constexpr = False,  # Config.k_tma: a tensor descriptor of k, block [BLOCK_N, D]
 ):
     """ABLATE (bench/topk.py --parts ablate only, via op.hytopk_ablation; the output is not a valid selection): 1 skips
     the final select and its output writes, 2 lets no key become a candidate in the key loop (no appends, hence no
@@ -1300,6 +1309,10 @@ def hytopk_kernel(
     n_cmp = c_setup
     n_seg_run = c_setup
     i_p = tl.program_id(0)
+    if K_TMA:  # the key loop's K tiles through the descriptor (the warm sample's gathered rows keep k_ptr)
+        k_src = k_desc
+    else:
+        k_src = k_ptr
     RH: tl.constexpr = R * H
     o_d = tl.arange(0, D_P2)  # [D_P2]
     m_d = o_d < D
@@ -1352,10 +1365,10 @@ def hytopk_kernel(
                     c_setup += t1 - t0
                     n_head = tl.minimum(n_tiles, WARM // BLOCK_N)  # WARM <= CAP: no compaction among them
                     cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp, n_seg_run = _key_loop(
-                        n_head, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max,
+                        n_head, lo, hi, kk, k_src, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max,
                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU,
                         SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH,
-                        ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp,
+                        ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, K_TMA=K_TMA, c_cmp=c_cmp, n_cmp=n_cmp,
                         n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT)
                     thr, cnt, cnt_g, reg0, F = _head_threshold(
                         key_rows, idx_rows, cnt, cnt_g, kk, tl.where(m_live, b_end - b_start, 0), m_t, R, CAP, CHUNK,
@@ -1386,10 +1399,10 @@ def hytopk_kernel(
             while i_pass < n_pass:
                 t0 = _clock(PROFILE, WHILE_LOOPS)
                 cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp, n_seg_run = _key_loop(
-                    n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
+                    n_tiles, lo, hi, kk, k_src, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                     idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                     WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH, ABLATE=ABLATE,
-                    i_first=i_first, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp,
+                    i_first=i_first, BALLOT=BALLOT, PROFILE=PROFILE, K_TMA=K_TMA, c_cmp=c_cmp, n_cmp=n_cmp,
                     n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT)
                 if PROFILE:
                     tl.debug_barrier()
@@ -1424,10 +1437,10 @@ def hytopk_kernel(
             t1 = _clock(PROFILE, WHILE_LOOPS)
             c_setup += t1 - t0
             cnt, cnt_g, reg0, F, thr, b_max, c_cmp, n_cmp, n_seg_run = _key_loop(
-                n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
+                n_tiles, lo, hi, kk, k_src, b_qT, b_w, b_start, b_end, cnt, cnt_g, reg0, F, thr, b_max, key_rows,
                 idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                 WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, KTH=KTH,
-                ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, c_cmp=c_cmp, n_cmp=n_cmp,
+                ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, K_TMA=K_TMA, c_cmp=c_cmp, n_cmp=n_cmp,
                 n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT)
             if PROFILE:
                 tl.debug_barrier()

@@ -149,6 +149,10 @@ class Config:
     # rows, then its odd rows (2): a select holds [rows, CAP] keys in registers, so 8-row tiles (rows_x_heads = 8 H)
     # at topk 2048 spill unless split. Same output.
     select_split: int = 1
+    # the key loop's K tiles by TMA bulk copies through a tensor descriptor of k (block [block_n, D_I]; D_I a power of
+    # two) instead of one cp.async per 16 bytes per thread: sm_90a key loop at H 32 286 -> 266 instructions per tile
+    # (AOT, session 20). Opt-in until timed; the floor uses it too
+    k_tma: bool = False
 
 
 def check_config(cfg: Config, interpret: bool) -> None:
@@ -318,7 +322,7 @@ def kernel_constexprs(cfg: Config, H: int, D: int, topk: int, *, select: bool, r
                 BALLOT=bool(select) and cfg.group_mask == "ballot" and ballot_applies(cfg, R, H),
                 PROFILE=bool(profile), WARM_WIN=bool(select) and warm > 0 and cfg.warm_search == "window",
                 WARM_SLACK=float(cfg.warm_slack), WARM_MU=float(cfg.warm_mu) if warm > 0 else 0.0,
-                SELECT_SPLIT=int(cfg.select_split) if select else 1)
+                SELECT_SPLIT=int(cfg.select_split) if select else 1, K_TMA=bool(cfg.k_tma))
 
 
 def _warm_geometry(cap: int, chunk: int, cfg: Config):
@@ -376,6 +380,12 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     if T == 0:
         return (out_idx, out_val) if (return_scores or not select) else out_idx
     cap = {} if interp else {"maxnreg": register_cap(cfg)} if register_cap(cfg) else {}
+    if cfg.k_tma:  # Config.k_tma: the key tiles through a tensor descriptor (rows past S read as zeros)
+        check(D == meta["D_P2"], f"hytopk: Config.k_tma needs D_I a power of two (a TMA block of [block_n, D_I]), "
+              f"got {D}; set k_tma=False")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        meta["k_desc"] = TensorDescriptor.from_tensor(k, [cfg.block_n, D])
     kern = _kernel.hytopk_kernel[(n_prog,)](
         q, w, k, starts, ends, out_idx, out_val, scratch[0], scratch[1], stats, stats if prof is None else prof,
         T, S, topk, n_blocks, n_prog, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cap,
