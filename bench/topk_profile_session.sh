@@ -9,7 +9,7 @@ set -u
 source bench/device_env.sh
 OUT=${OUT:-/tmp/topk_prof}; mkdir -p "$OUT"
 ROUNDS=${TP_ROUNDS:-5}
-TESTS=${TP_TESTS-tests/test_hytopk.py tests/test_hytopk_interp.py tests/test_hytopk_ballot.py}  # TP_TESTS="": none
+TESTS=${TP_TESTS-tests/test_hytopk.py tests/test_hytopk_interp.py tests/test_hytopk_ballot.py tests/test_hytopk_rewrite.py tests/test_hytopk_warps.py}  # TP_TESTS="": none
 if [ -n "$TESTS" ]; then
   echo "== tests ($(date +%T))"
   timeout -s INT -k 20 "${TP_TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -x \
