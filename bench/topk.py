@@ -652,8 +652,8 @@ class kernel_from:
     """Context: HyTopK's launches use the hytopk_kernel of another copy of kernels/hytopk/_kernel.py (path; None: the
     checkout's), e.g. the last commit's, so that a code change no Config field selects is timed interleaved with the
     current code in one process (--profile-variants '{"kernel": "ab_base/_kernel.py"}'). The profile times each
-    file's own floor (its scoring loop) too. op.py must be compatible with the file (same arguments); constexprs the older kernel lacks are dropped
-    where they hold their off value (so a new Config field, left at its default, does not break the A/B), and refused
+    file's own floor (its scoring loop) too. op.py must be compatible with the file (same arguments); constexprs the
+    older kernel lacks are dropped where they hold their off value (so a new Config field, left at its default, does not break the A/B), and refused
     otherwise."""
 
     _mods: dict = {}

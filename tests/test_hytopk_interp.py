@@ -188,12 +188,13 @@ def test_count_sign_bit_rule():
 
 @triton.jit
 def _count_kernel(raw_ptr, x_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr, P: tl.constexpr, HW: tl.constexpr):
-    """out [R, P]: _kernel._count_ge_f32 of the rows' raw fp32 scores [R, C] at each probe key x [R, P]."""
+    """out [R, P]: _kernel._count_ge_f32_rows of the rows' raw fp32 scores [R, C] (as [R, 1, C]) at each probe key
+    x [R, P]."""
     o_r = tl.arange(0, R)
     b_s = tl.load(raw_ptr + o_r[:, None] * C + tl.arange(0, C)[None, :]).to(tl.float32, bitcast=True)
     for i_p in tl.static_range(P):
         x = tl.load(x_ptr + o_r * P + i_p)  # [R]
-        tl.store(out_ptr + o_r * P + i_p, _kernel._count_ge_f32(b_s, x, HW))
+        tl.store(out_ptr + o_r * P + i_p, _kernel._count_ge_f32_rows(tl.reshape(b_s, [R, 1, C]), x, HW))
 
 
 def _count_run(device):

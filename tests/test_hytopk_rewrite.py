@@ -5,8 +5,8 @@ The rewrite keeps, in slot order, each row's scores whose key is > kth and, wher
 move to the row's first slots; FINAL writes their indices (and, WRITE_SCORES, their scores with -0.0 folded onto
 +0.0) to the output rows. Rows outside m_rows write nothing. The masks are int32 0 / 1 tensors and the next chunk is
 loaded ahead (past the row's end on the last chunk: the buffer here has a chunk of padding, as op._launch allocates),
-so the cases cover several chunks (and chunks of several 128-slot runs, the row layout's unit), holes, signed zeros, ties cut by key index, rows that keep everything (kth
-INT32_MIN) and a masked row.
+so the cases cover several chunks (and chunks of several 128-slot runs, the row layout's unit), holes, signed
+zeros, ties cut by key index, rows that keep everything (kth INT32_MIN) and a masked row.
 
 CPU: the interpreter (plain masked stores); GPU: the inline-PTX stores.
 """

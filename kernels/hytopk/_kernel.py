@@ -303,27 +303,6 @@ def _below_key(x):
 
 
 @triton.jit
-def _count_ge_f32(b_s, x, HW: tl.constexpr):
-    """Per row: how many of the fp32 scores b_s [R, C] have a key >= x [R] int32 (NaN holes: never), for probes
-    above the row's smallest key (the searches probe inside (lo, hm]: key x - 1 is then a real score's or above it).
-
-    HW: no predicate per element. t - s with t = _below_key(x) (IEEE fp32 subtraction, no flush to zero) has its
-    sign bit set exactly when s > t, i.e. key(s) >= x: a nonzero difference has the exact sign; s == t gives +0;
-    a NaN hole gives the canonical NaN (sign clear); -0.0 scores count as +0.0 because t is never -0.0; infinities
-    follow. The bit is shifted down and summed as an integer: 2 instructions per element (FADD, then a
-    shift-and-add), independent across elements. Until session 19: PTX set.ge.u32.f32, which ptxas compiled to
-    FSETP + SEL on one predicate register, each SEL waiting on its FSETP (~2.5 instructions per element, serial).
-    The interpreter compares the scores with the score of key x."""
-    if HW:
-        t = _below_key(x)  # [R]
-        b = tl.inline_asm_elementwise(
-            "{ .reg .f32 d; .reg .b32 b; sub.f32 d, $1, $2; mov.b32 b, d; shr.b32 $0, b, 31; }", "=r,f,f",
-            [t[:, None] + tl.zeros_like(b_s), b_s], dtype=tl.int32, is_pure=True, pack=1)
-        return tl.sum(b, axis=1)
-    return tl.sum((b_s >= _key_to_score(x)[:, None]).to(tl.int32), axis=1)
-
-
-@triton.jit
 def _sum_rows(b):
     """[R, C0, C1] -> [R]: a row's sum: over C0 first (within each thread: C1 independent chains), then over C1
     (one warp reduction; summed over C1 first, each of the C0 columns took a warp reduction of its own)."""
@@ -332,8 +311,17 @@ def _sum_rows(b):
 
 @triton.jit
 def _count_ge_f32_rows(b_s, x, HW: tl.constexpr):
-    """_count_ge_f32 on the [R, C0, C1] row layout of _kth_interp: per row r, how many of b_s[r] have a key
-    >= x[r] (same rule: the sign bit of t - s, no predicate; the interpreter compares with the score of key x)."""
+    """Per row r: how many of the fp32 scores b_s[r] ([R, C0, C1], the row layout of _kth_interp) have a key >= x[r]
+    (int32; NaN holes: never), for probes above the row's smallest key (the searches probe inside (lo, hm]: key
+    x - 1 is then a real score's or above it).
+
+    HW: no predicate per element. t - s with t = _below_key(x) (IEEE fp32 subtraction, no flush to zero) has its
+    sign bit set exactly when s > t, i.e. key(s) >= x: a nonzero difference has the exact sign; s == t gives +0;
+    a NaN hole gives the canonical NaN (sign clear); -0.0 scores count as +0.0 because t is never -0.0; infinities
+    follow. The bit is shifted down and summed as an integer: 2 instructions per element (FADD, then a
+    shift-and-add), independent across elements. Until session 19: PTX set.ge.u32.f32, which ptxas compiled to
+    FSETP + SEL on one predicate register, each SEL waiting on its FSETP (~2.5 instructions per element, serial).
+    The interpreter compares the scores with the score of key x."""
     if HW:
         t = _below_key(x)  # [R]
         b = tl.inline_asm_elementwise(
@@ -721,7 +709,8 @@ def _tile_scores(i_n, lo, hi, k_ptr, b_qT, b_w, b_start, b_end, o_n, o_d, m_d, H
     if K_TMA:  # Config.k_tma: k_ptr is a tensor descriptor of k [S, D] with block [BLOCK_N, D]: one bulk copy
         b_k = k_ptr.load([i_s, 0])  # [BLOCK_N, D]
     else:
-        b_k = tl.load(k_ptr + i_s * D + (o_n[:, None] * D + o_d[None, :]), mask=m_d[None, :], other=0.0)  # [BLOCK_N, D_P2]
+        b_k = tl.load(k_ptr + i_s * D + (o_n[:, None] * D + o_d[None, :]), mask=m_d[None, :],
+                      other=0.0)  # [BLOCK_N, D_P2]
     sc = _row_block_scores(b_k, b_qT, b_w, H, R, BLOCK_N, RELU, IEEE, LANE_ROWS=LANE_ROWS)  # [BLOCK_N, R]
     m_vis = (o_s[:, None] >= tl.maximum(b_start, i_0)[None, :]) & (o_s[:, None] < b_end[None, :])  # [BLOCK_N, R]
     return o_s, sc, m_vis
@@ -1000,7 +989,7 @@ def _head_threshold(key_rows, idx_rows, cnt, cnt_g, kk, n_vis, m_t, R: tl.conste
     tau = tl.where(on, kth - 1, INT32_MIN)  # keys tied with the j-th stay (as in _warm_threshold)
     tl.debug_barrier()  # the search done reading before the filter rewrites the buffer
     _, kept = _select_store_rows(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP, CHUNK,
-                            SEARCH2, RAW, cnt_g, WARPS, KTH, FILTER=True, thr_keep=tau, SPLIT=SPLIT)
+                                 SEARCH2, RAW, cnt_g, WARPS, KTH, FILTER=True, thr_keep=tau, SPLIT=SPLIT)
     cnt_g = cnt_g * 0
     reg0 = tl.max(kept, axis=0)
     return tau, kept, cnt_g, reg0, (CAP - reg0) // KEY_GROUPS
@@ -1207,8 +1196,9 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                 if free < MIN_FREE // KEY_GROUPS:
                     tl.debug_barrier()  # appends of earlier tiles visible to all threads
                     t0 = _clock(PROFILE, WHILE_LOOPS)
-                    kth, _ = _select_store_rows(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP,
-                                        CHUNK, SEARCH2, RAW, cnt_g, True, KTH, HW=not WHILE_LOOPS, SPLIT=SPLIT)
+                    kth, _ = _select_store_rows(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R,
+                                                CAP, CHUNK, SEARCH2, RAW, cnt_g, True, KTH, HW=not WHILE_LOOPS,
+                                                SPLIT=SPLIT)
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(_n_buffered(cnt, cnt_g, True), kk)
                     cnt_g = cnt_g * 0
@@ -1453,8 +1443,8 @@ def hytopk_kernel(
             tl.debug_barrier()
             o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
             _select_store_rows(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
-                          True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW, cnt_g, APPEND == 2, KTH, HW=not WHILE_LOOPS,
-                          PROFILE=PROFILE, prof_ptr=prof_ptr, SPLIT=SELECT_SPLIT)
+                               True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW, cnt_g, APPEND == 2, KTH,
+                               HW=not WHILE_LOOPS, PROFILE=PROFILE, prof_ptr=prof_ptr, SPLIT=SELECT_SPLIT)
             # -1 / -inf padding after the kept entries
             n_keep = tl.minimum(_n_buffered(cnt, cnt_g, APPEND == 2), kk)  # [R]
             o_h = tl.arange(0, CHUNK)
