@@ -8,6 +8,9 @@ import os
 from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# one color per implementation across the panels
+COLORS = {"floor": "tab:blue", "floor lazy max": "tab:orange", "hytopk": "tab:green",
+          "stock tilelang fused_qk_topk_lighting": "tab:purple", "stock fused_qk_topk_naive": "tab:red"}
 
 
 def main():
@@ -24,6 +27,9 @@ def main():
     variant = ("sweep", "ab ", "ablate", "profile")
     rows = [r for r in csv.DictReader(open(a.csv)) if r["ms"] and not r["shape"].startswith(variant)
             and "[not default" not in (r.get("note") or "")]  # launch overrides off the default shape
+    # one GPU per plot (the latest run's): points of another GPU would mix clocks and memory sizes
+    gpu = rows[-1]["gpu"] if rows else ""
+    rows = [r for r in rows if r["gpu"] == gpu]
     # keep the latest measurement of each (shape, impl, T)
     latest = {}
     for r in rows:
@@ -37,7 +43,7 @@ def main():
                 series[impl].append((T, float(r["ms"])))
         for impl, pts in sorted(series.items()):
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", label=impl.replace(" fused_qk_topk_lighting", "").replace(
+            ax.plot(xs, ys, marker="o", color=COLORS.get(impl), label=impl.replace(" fused_qk_topk_lighting", "").replace(
                 " fused_qk_topk_naive", " naive"))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -46,7 +52,6 @@ def main():
         ax.set_ylabel("ms (median)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    gpu = rows[-1]["gpu"] if rows else ""
     fig.suptitle(f"HyTopK vs no-selection floor vs stock Megatron DSA top-k ({gpu})", fontsize=10)
     fig.tight_layout()
     fig.savefig(a.out, dpi=120)
