@@ -94,6 +94,21 @@ def test_packed_segments_warm_head(calls):
     _check(*packed_rows_case(), 8, True, _cfg(2, warm_start=64, warm_sample="head"), calls)
 
 
+@interp
+@pytest.mark.parametrize("split", [1, 2])
+def test_eight_rows(split, calls):
+    """8 rows per tile (rows_x_heads = 8 H, the 4 ballots of the two-register layout): ragged causal with compactions,
+    identity activation with negative weights, short / masked rows and zero ties, with and without split selects."""
+    q, w, k = _inputs(11, 301, 2, seed=5)
+    st, en = causal_bounds(11, 301, offset=290)
+    _check(q, w, k, st, en, 8, True, _cfg(2, rows_x_heads=16, select_split=split), calls)
+    _check(q, -w.abs(), k, st, en, 8, False, _cfg(2, rows_x_heads=16, select_split=split), calls)
+    *case, topk = short_masked_case()
+    _check(*case, topk, True, _cfg(2, rows_x_heads=16, select_split=split), calls)
+    *case, topk = zero_ties_case(S=230)
+    _check(*case, topk, True, _cfg(2, rows_x_heads=16, select_split=split, warm_start=64), calls)
+
+
 def test_config_values():
     with pytest.raises(ValueError, match="group_mask must be one of"):
         op.check_config(Config(group_mask="vote"), False)
@@ -103,23 +118,25 @@ def test_config_values():
         op.check_config(cfg, False)  # valid: the ballot is ignored where it does not apply (as lane_rows is)
         assert not op.kernel_constexprs(cfg, 64, 128, 2048, select=True, relu=True, write_scores=False, ieee=False,
                                         interp=False)["BALLOT"], bad
-    assert not op.kernel_constexprs(Config(group_mask="ballot", rows_x_heads=512), 64, 128, 2048, select=True,
-                                    relu=True, write_scores=False, ieee=False, interp=False)["BALLOT"], "8 rows"
+    assert not op.kernel_constexprs(Config(group_mask="ballot", rows_x_heads=1024), 64, 128, 2048, select=True,
+                                    relu=True, write_scores=False, ieee=False, interp=False)["BALLOT"], "16 rows"
+    assert op.kernel_constexprs(Config(group_mask="ballot", rows_x_heads=256), 32, 128, 2048, select=True,
+                                relu=True, write_scores=False, ieee=False, interp=False)["BALLOT"], "8 rows"
     assert op.kernel_constexprs(Config(group_mask="ballot"), 64, 128, 2048, select=True, relu=True,
                                 write_scores=False, ieee=False, interp=False)["BALLOT"]
 
 
 @interp
 def test_ignored_where_inapplicable(calls, caplog):
-    """8 rows per tile: the mask sum runs (the same output as "sum"), with one info line naming why."""
+    """2 rows per tile: the mask sum runs (the same output as "sum"), with one info line naming why."""
     *case, topk = short_masked_case()
-    cfg = _cfg(2, rows_x_heads=16)
+    cfg = _cfg(2, rows_x_heads=4)
     base = hytopk(*case, topk, config=op.replace(cfg, group_mask="sum"))
     with caplog.at_level("INFO", logger="hyscale_kernels"):
         out = hytopk(*case, topk, config=op.replace(cfg, group_mask="ballot"))
-    assert not calls, "the ballot ran on an 8-row tile"
+    assert not calls, "the ballot ran on a 2-row tile"
     assert torch.equal(out, base)
-    assert "group_mask='ballot' does not apply to this launch" in caplog.text and "8 rows" in caplog.text
+    assert "group_mask='ballot' does not apply to this launch" in caplog.text and "2 rows" in caplog.text
 
 
 class _Kern:
@@ -127,11 +144,11 @@ class _Kern:
         self.asm = {"ttgir": ttgir}
 
 
-def _ttgir(layout):
+def _ttgir(layout, rows=4):
+    t = f"tensor<4x16x{rows}xi32, #linear3>"
     return (f"#linear3 = #ttg.linear<{{{layout}, block = []}}>\n"
             "  %a:2 = tt.elementwise_inline_asm \"{ vote.sync.ballot.b32 b0, p0, 0xffffffff; }\" "
-            "{constraints = \"=r,=r,=r,=r,r,r\", packed_element = 2 : i32, pure = true} %m : "
-            "tensor<4x16x4xi32, #linear3> -> tensor<4x16x4xi32, #linear3>, tensor<4x16x4xi32, #linear3>\n")
+            f"{{constraints = \"=r,=r,=r,=r,r,r\", packed_element = 2 : i32, pure = true}} %m : {t} -> {t}, {t}\n")
 
 
 def test_layout_check():
@@ -144,6 +161,13 @@ def test_layout_check():
         op._check_ballot_layout(_Kern(_ttgir(swapped)))
     with pytest.raises(RuntimeError, match="no ballot op"):
         op._check_ballot_layout(_Kern("#linear = #ttg.linear<{register = [], block = []}>\n"))
+    # 8 rows: the two-register layout on a [4, 16, 8] tile passes; the 4-row layout there (or the 8-row one on a
+    # [4, 16, 4] tile) raises
+    op._check_ballot_layout(_Kern(_ttgir(_kernel.BALLOT_LAYOUTS[8], rows=8)))
+    with pytest.raises(RuntimeError, match="group_mask='sum'"):
+        op._check_ballot_layout(_Kern(_ttgir(_kernel.BALLOT_LAYOUTS[4], rows=8)))
+    with pytest.raises(RuntimeError, match="group_mask='sum'"):
+        op._check_ballot_layout(_Kern(_ttgir(_kernel.BALLOT_LAYOUTS[8], rows=4)))
 
 
 def test_default_and_guard(monkeypatch, caplog):
@@ -167,13 +191,16 @@ def test_default_and_guard(monkeypatch, caplog):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,H,relu", [(12288, 64, True), (8192, 32, False)])
-def test_gpu_ballot_equals_sum(T, H, relu):
+@pytest.mark.parametrize("T,H,relu,rows8", [(12288, 64, True, False), (8192, 32, False, False), (9000, 32, True, True)])
+def test_gpu_ballot_equals_sum(T, H, relu, rows8):
     """bf16 at real shapes (k 2048, warm start, compactions): the ballot slots give the mask sum's output bit for
-    bit (order included), deterministically; the compiled layout passed the first-launch check."""
+    bit (order included), deterministically; the compiled layout passed the first-launch check. rows8: 8 rows per
+    tile at H 32 (rows_x_heads 256, split selects)."""
     q, w, k, st, en = gpu_causal_inputs(T, H)
     cfg = default_config(H, 2048)
     assert cfg.group_mask == "ballot", "the default at H 32 / 64"
+    if rows8:
+        cfg = op.replace(cfg, rows_x_heads=8 * H, select_split=2)
     si, sv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, group_mask="sum"))
     bi, bv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, group_mask="ballot"))
     bi2 = hytopk(q, w, k, st, en, 2048, relu=relu, config=op.replace(cfg, group_mask="ballot"))

@@ -835,15 +835,24 @@ def _popc32(x, HW: tl.constexpr):
         return ((v * 0x01010101) >> 24).to(tl.int32)
 
 
-# append="warps", group_mask="ballot": the sm_90a layout of the [KEY_GROUPS, NG, R] candidate tile that the ballot's
-# lane arithmetic assumes (op._check_ballot_layout compares the compiled TTGIR against it): register bit -> key + 8,
-# lane bits -> row + 1, row + 2, key + 1, key + 2, key + 4, warp bits -> group + 1, group + 2.
-BALLOT_LAYOUT = ("register = [[0, 8, 0]], lane = [[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]], "
-                 "warp = [[1, 0, 0], [2, 0, 0]]")
+# append="warps", group_mask="ballot": the sm_90a layouts of the [KEY_GROUPS, NG, R] candidate tile that the ballot's
+# lane arithmetic assumes (op._check_ballot_layout compares the compiled TTGIR against them), by rows per tile R:
+# register bit -> key + 8 (R 8: a second register bit -> row + 4), lane bits -> row + 1, row + 2, key + 1, key + 2,
+# key + 4, warp bits -> group + 1, group + 2. So key j, row r of a group sit in lane 4 (j % 8) + r % 4, register
+# (j >= 8) + 2 (r >= 4) of the group's warp.
+BALLOT_LAYOUTS = {
+    4: "register = [[0, 8, 0]], lane = [[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]], "
+       "warp = [[1, 0, 0], [2, 0, 0]]",
+    8: "register = [[0, 8, 0], [0, 0, 4]], lane = [[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]], "
+       "warp = [[1, 0, 0], [2, 0, 0]]",
+}
+BALLOT_LAYOUT = BALLOT_LAYOUTS[4]
 _BALLOT_ASM = tl.constexpr(
     # $0 $1: slot offsets of the thread's keys j, j + 8 (earlier candidates of its (group, row)); $2 $3: the group's
     # candidates in that row; $4 $5: the keys' candidate flags; $6 (= $7): the lanes of the thread's row
-    # (0x11111111 << lane % 4); $8 (= $9): %lanemask_lt. Lane l holds row l % 4, keys l // 4 and l // 4 + 8.
+    # (0x11111111 << lane % 4); $8 (= $9): %lanemask_lt. Lane l holds row l % 4, keys l // 4 and l // 4 + 8 (pack 2
+    # takes a thread's registers in pairs: registers 0, 1 = keys j, j + 8 of a row; with 8 rows 2, 3 the same for
+    # row + 4, whose ballots are the pair's own)
     "{ .reg .pred p0, p1; .reg .b32 b0, b1, c0; "
     "setp.ne.b32 p0, $4, 0; setp.ne.b32 p1, $5, 0; "
     "vote.sync.ballot.b32 b0, p0, 0xffffffff; vote.sync.ballot.b32 b1, p1, 0xffffffff; "
@@ -855,9 +864,10 @@ _BALLOT_ASM = tl.constexpr(
 def _group_slots_ballot(m_c, HW: tl.constexpr):
     """Config.group_mask="ballot": each candidate's slot offset in its (group, row) region and the group's candidate
     count, both [KEY_GROUPS, NG, R] int32 (the count repeated along NG), from two warp ballots (vote.sync) instead of
-    a mask sum over the warp's lanes (3 dependent shuffle levels). Needs NG = 16, R = 4 and the layout BALLOT_LAYOUT
-    (op checks the compiled kernel). The interpreter runs the same lane arithmetic on that layout's model: key j of
-    a group and row r sit in lane 4 (j % 8) + r, register j // 8 of the group's warp."""
+    a mask sum over the warp's lanes (3 dependent shuffle levels). Needs NG = 16, R = 4 or 8 and the layout
+    BALLOT_LAYOUTS[R] (op checks the compiled kernel). The interpreter runs the same lane arithmetic on that layout's
+    model: key j of a group and row r sit in lane 4 (j % 8) + r % 4, register (j >= 8) + 2 (r >= 4) of the group's
+    warp (4 ballots per group with 8 rows)."""
     if HW:
         # the lane constants from the layout's index arithmetic (lane = 4 (j % 8) + r), not from %laneid /
         # %lanemask_lt inside the asm: plain arithmetic on the thread index is loop-invariant and leaves the key loop
@@ -866,8 +876,8 @@ def _group_slots_ballot(m_c, HW: tl.constexpr):
         R: tl.constexpr = m_c.shape[2]
         o_j = tl.arange(0, NG)[None, :, None]  # [1, NG, 1]
         o_r = tl.arange(0, R)[None, None, :]  # [1, 1, R]
-        rm = tl.zeros(m_c.shape, tl.int32) + (0x11111111 << o_r)  # [KG, NG, R] the lanes of the element's row
-        lt = tl.zeros(m_c.shape, tl.int32) + ((1 << (4 * (o_j % 8) + o_r)) - 1)  # its %lanemask_lt
+        rm = tl.zeros(m_c.shape, tl.int32) + (0x11111111 << (o_r % 4))  # [KG, NG, R] the lanes of the element's row
+        lt = tl.zeros(m_c.shape, tl.int32) + ((1 << (4 * (o_j % 8) + o_r % 4)) - 1)  # its %lanemask_lt
         off, n = tl.inline_asm_elementwise(_BALLOT_ASM, "=r,=r,=r,=r,r,r,r,r,r,r", [m_c.to(tl.int32), rm, lt],
                                            dtype=(tl.int32, tl.int32), is_pure=True, pack=2)
     else:
@@ -875,16 +885,22 @@ def _group_slots_ballot(m_c, HW: tl.constexpr):
         R: tl.constexpr = m_c.shape[2]
         o_j = tl.arange(0, NG)[None, :, None]  # [1, NG, 1]
         o_r = tl.arange(0, R)[None, None, :]  # [1, 1, R]
-        lane = 4 * (o_j % 8) + o_r  # [1, NG, R]
+        lane = 4 * (o_j % 8) + o_r % 4  # [1, NG, R]
         b_lane = tl.full(m_c.shape, 1, tl.int32) << lane  # [KG, NG, R] the lane's ballot bit
-        hi = o_j >= 8  # [1, NG, 1] register 1
-        b0 = tl.sum(tl.sum(tl.where(m_c & ~hi, b_lane, 0), axis=2), axis=1)  # [KG] ballot of register 0
-        b1 = tl.sum(tl.sum(tl.where(m_c & hi, b_lane, 0), axis=2), axis=1)  # [KG] register 1
-        rm = tl.full([1, 1, R], 0x11111111, tl.int32) << o_r  # [1, 1, R] the lanes of the thread's row
+        hi = o_j >= 8  # [1, NG, 1] register bit 0: key + 8
+        rh = o_r >= 4  # [1, 1, R] register bit 1 (8 rows): row + 4
+        # the group's 4 ballots (register 0 .. 3; 2 and 3 empty with 4 rows): distinct lanes, so a sum is an OR
+        b00 = tl.sum(tl.sum(tl.where(m_c & ~hi & ~rh, b_lane, 0), axis=2), axis=1)  # [KG]
+        b01 = tl.sum(tl.sum(tl.where(m_c & hi & ~rh, b_lane, 0), axis=2), axis=1)
+        b10 = tl.sum(tl.sum(tl.where(m_c & ~hi & rh, b_lane, 0), axis=2), axis=1)
+        b11 = tl.sum(tl.sum(tl.where(m_c & hi & rh, b_lane, 0), axis=2), axis=1)
+        rm = tl.full([1, 1, R], 0x11111111, tl.int32) << (o_r % 4)  # [1, 1, R] the lanes of the thread's row
         lt = b_lane - 1  # [KG, NG, R] %lanemask_lt (bit 31: INT32_MIN - 1 wraps to 0x7FFFFFFF)
-        c0 = _popc32(b0[:, None, None] & rm, HW)  # [KG, 1, R]
-        c1 = _popc32(b1[:, None, None] & rm, HW)
-        b_own = tl.where(hi, b1[:, None, None], b0[:, None, None]) & rm  # [KG, NG, R]
+        b_lo = tl.where(rh, b10[:, None, None], b00[:, None, None]) & rm  # [KG, 1, R] the row's keys j < 8
+        b_hi = tl.where(rh, b11[:, None, None], b01[:, None, None]) & rm  # [KG, 1, R] its keys j >= 8
+        c0 = _popc32(b_lo, HW)  # [KG, 1, R]
+        c1 = _popc32(b_hi, HW)
+        b_own = tl.where(hi, b_hi, b_lo)  # [KG, NG, R]
         off = _popc32(b_own & lt, HW) + tl.where(hi, c0, 0)
         n = c0 + c1 + tl.zeros(m_c.shape, tl.int32)
     return off, n

@@ -120,8 +120,9 @@ class Config:
     # append="warps": how a key group's candidates in a row get their slots. "sum": an int32 bit mask summed over the
     # group's keys (3 dependent shuffle levels across the warp's lanes, then popc). "ballot": two warp ballots
     # (vote.sync) and popc, no shuffle; the tile loop carries the next free slots repeated per key. Same slots, so
-    # the output is bit-identical. Used where the launch allows it (append "warps", block_n 64, 4 rows per tile, i.e.
-    # rows_x_heads / H_I = 4, num_warps 4, lane_rows; elsewhere ignored with an info log line, as lane_rows is) and
+    # the output is bit-identical. Used where the launch allows it (append "warps", block_n 64, 4 or 8 rows per
+    # tile, i.e. rows_x_heads / H_I = 4 or 8 (8: four ballots per warp), num_warps 4, lane_rows; elsewhere ignored
+    # with an info log line, as lane_rows is) and
     # where Triton laid the candidate tile out as the lane arithmetic assumes: checked on the compiled kernel at its
     # first launch (a clear error otherwise; the interpreter runs the same arithmetic on a model of that layout).
     # default_config picks "ballot" for 4-row tiles (H 8..64) on the GPU: H200, 64K causal, 7 interleaved rounds
@@ -247,7 +248,8 @@ def default_config(H: int, topk: int, interpret: bool = False) -> Config:
     # ballot slots where the tile has 4 rows (H 8..64); bit-identical output. H200, 64K causal, 7 interleaved rounds
     # (session 16): H 64 68.95 -> 68.16 ms, H 32 42.51 -> 42.39. Off for the rest of the process if a compiled
     # kernel's layout does not match the model (_ballot_guard)
-    if _ballot_default and ballot_applies(cfg, _rows(cfg, H), H):
+    # (8-row tiles, e.g. H 4's, only with an explicit group_mask="ballot": their layout is checked but not yet timed)
+    if _ballot_default and _rows(cfg, H) == 4 and ballot_applies(cfg, _rows(cfg, H), H):
         cfg = replace(cfg, group_mask="ballot")
     return cfg
 
@@ -293,9 +295,10 @@ def _rows(cfg: Config, H: int) -> int:
 
 
 def ballot_applies(cfg: Config, R: int, H: int) -> bool:
-    """Whether Config.group_mask="ballot" is used by the launch (append "warps", block_n 64, num_warps 4, 4 rows per
-    tile with lane_rows: the layout its lane arithmetic models); otherwise the mask sum gives the same slots."""
-    return cfg.append == "warps" and cfg.block_n == 64 and cfg.num_warps == 4 and R == 4 and lane_rows(cfg, R, H)
+    """Whether Config.group_mask="ballot" is used by the launch (append "warps", block_n 64, num_warps 4, 4 or 8 rows
+    per tile with lane_rows: the layouts its lane arithmetic models); otherwise the mask sum gives the same slots."""
+    return (cfg.append == "warps" and cfg.block_n == 64 and cfg.num_warps == 4 and R in _kernel.BALLOT_LAYOUTS
+            and lane_rows(cfg, R, H))
 
 
 def lane_rows(cfg: Config, R: int, H: int) -> bool:
@@ -352,7 +355,7 @@ def _launch(q, w, k, starts, ends, topk, relu, return_scores, select=True, confi
     if select and cfg.group_mask == "ballot" and not meta["BALLOT"] and cfg not in _ballot_ignored:
         _ballot_ignored.add(cfg)
         _log.info("hytopk: Config.group_mask='ballot' does not apply to this launch (it needs append='warps', "
-                  "block_n=64, num_warps=4 and 4 query rows per tile with lane_rows; got append=%r, block_n=%d, "
+                  "block_n=64, num_warps=4 and 4 or 8 query rows per tile with lane_rows; got append=%r, block_n=%d, "
                   "num_warps=%d, %d rows of H_I=%d): the mask sum gives the same slots", cfg.append, cfg.block_n,
                   cfg.num_warps, R, H)
     n_blocks = triton_cdiv(T, R)
@@ -425,24 +428,24 @@ def _ballot_guard(kern, explicit: bool) -> bool:
 
 def _check_ballot_layout(kern) -> None:
     """Config.group_mask='ballot' computes slots from lane ids: valid only if Triton laid the candidate tile out as
-    _kernel.BALLOT_LAYOUT says. Checked once per compiled kernel on its TTGIR (the layout of the ballot's inline-asm
+    _kernel.BALLOT_LAYOUTS[R] says. Checked once per compiled kernel on its TTGIR (the layout of the ballot's inline-asm
     operand); a mismatch (another Triton version, another launch shape) raises instead of returning wrong slots."""
     ttgir = kern.asm["ttgir"]
     key = ttgir  # the text itself (its hash is cached): an id() could be reused by a later kernel object
     if key in _ballot_checked:
         return
     lines = [x for x in ttgir.splitlines() if "vote.sync.ballot" in x and "elementwise_inline_asm" in x]
-    found = []
+    found, want = [], []
     for x in lines:
-        alias = re.findall(r"tensor<4x16x4xi32, (#[\w.]+)>", x)
-        for a in set(alias):
+        for rows, a in set(re.findall(r"tensor<4x16x(\d+)xi32, (#[\w.]+)>", x)):
             m = re.search(r"^" + re.escape(a) + r" = #ttg\.linear<\{(.*?), block = \[\]\}>", ttgir, re.M)
             found.append(m.group(1) if m else a)
-    if not found or any(f != _kernel.BALLOT_LAYOUT for f in found):
+            want.append(_kernel.BALLOT_LAYOUTS.get(int(rows)))
+    if not found or any(f != w for f, w in zip(found, want)):
         raise RuntimeError(
             "hytopk: Config.group_mask='ballot' assumes the candidate tile layout "
-            f"{{{_kernel.BALLOT_LAYOUT}}} (Triton 3.6, sm_90); this compiled kernel has {found or 'no ballot op'}. "
-            "Use Config(group_mask='sum') (the same slots, computed by a mask sum)")
+            f"{{{want[0] if want and want[0] else _kernel.BALLOT_LAYOUT}}} (Triton 3.6, sm_90); this compiled kernel "
+            f"has {found or 'no ballot op'}. Use Config(group_mask='sum') (the same slots, computed by a mask sum)")
     _ballot_checked.add(key)
 
 
