@@ -613,7 +613,7 @@ def _select_store_rows(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                        CHUNK: tl.constexpr, SEARCH2: tl.constexpr, RAW: tl.constexpr = False, cnt_g=None,
                        WARPS: tl.constexpr = False, KTH: tl.constexpr = 0, FILTER: tl.constexpr = False,
                        thr_keep=None, HW: tl.constexpr = False, PROFILE: tl.constexpr = False, prof_ptr=None,
-                       SPLIT: tl.constexpr = 1):
+                       SPLIT: tl.constexpr = 1, key_base=None, idx_base=None):
     """_select_store on the row block's rows, or (SPLIT 2, Config.select_split) on its even rows, then its odd rows:
     each select then holds [R / 2, CAP] keys in registers instead of [R, CAP] (8-row tiles at CAP 4096 spill
     otherwise). Same results, in row order."""
@@ -621,8 +621,15 @@ def _select_store_rows(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
         return _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows, FINAL, WRITE_SCORES, R, CAP,
                              CHUNK, SEARCH2, RAW, cnt_g, WARPS, KTH, FILTER=FILTER, thr_keep=thr_keep, HW=HW,
                              PROFILE=PROFILE, prof_ptr=prof_ptr)
-    kr0, kr1 = _halves(key_rows)
-    ir0, ir1 = _halves(idx_rows)
+    if key_base is None:
+        kr0, kr1 = _halves(key_rows)
+        ir0, ir1 = _halves(idx_rows)
+    else:
+        o_e = (2 * tl.arange(0, R // 2)).to(tl.int64) * CAP
+        kr0 = key_base + o_e
+        kr1 = key_base + o_e + CAP
+        ir0 = idx_base + o_e
+        ir1 = idx_base + o_e + CAP
     c0, c1 = _halves(cnt)
     dk0, dk1 = _halves(dst_key)
     di0, di1 = _halves(dst_idx)
@@ -1188,7 +1195,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
               APPEND: tl.constexpr, LANE_ROWS: tl.constexpr, LAZY_MAX: tl.constexpr = False,
               RAW: tl.constexpr = False, KTH: tl.constexpr = 0, ABLATE: tl.constexpr = 0, i_first=0,
               BALLOT: tl.constexpr = False, PROFILE: tl.constexpr = False, c_cmp=0, n_cmp=0, n_seg_run=0,
-              SPLIT: tl.constexpr = 1, K_TMA: tl.constexpr = False):
+              SPLIT: tl.constexpr = 1, K_TMA: tl.constexpr = False, key_base=None, idx_base=None):
     """The row block's key loop (its tiles from i_first, ascending), compacting between segments.
 
     APPEND (Config.append): 0 "tile" (_key_tile), 1 "mask" (_key_mask), 2 "warps" (_key_warps: the key groups'
@@ -1214,7 +1221,7 @@ def _key_loop(n_tiles, lo, hi, kk, k_ptr, b_qT, b_w, b_start, b_end, cnt, cnt_g,
                     t0 = _clock(PROFILE, WHILE_LOOPS)
                     kth, _ = _select_store_rows(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R,
                                                 CAP, CHUNK, SEARCH2, RAW, cnt_g, True, KTH, HW=not WHILE_LOOPS,
-                                                SPLIT=SPLIT)
+                                                SPLIT=SPLIT, key_base=key_base, idx_base=idx_base)
                     thr = tl.maximum(thr, kth)
                     cnt = tl.minimum(_n_buffered(cnt, cnt_g, True), kk)
                     cnt_g = cnt_g * 0
@@ -1328,6 +1335,8 @@ def hytopk_kernel(
     # this program's scratch rows, reused for every row block it owns
     key_rows = buf_key_ptr + (i_p * R + o_r).to(tl.int64) * CAP  # [R] row pointers
     idx_rows = buf_idx_ptr + (i_p * R + o_r).to(tl.int64) * CAP  # [R]
+    key_base = buf_key_ptr + (i_p * R).to(tl.int64) * CAP  # the block's first row (Config.select_split's halves)
+    idx_base = buf_idx_ptr + (i_p * R).to(tl.int64) * CAP
 
     # row blocks in descending order: with causal bounds the costliest first, for balance
     i_w = i_p
@@ -1375,7 +1384,8 @@ def hytopk_kernel(
                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU,
                         SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH,
                         ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, K_TMA=K_TMA, c_cmp=c_cmp, n_cmp=n_cmp,
-                        n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT)
+                        n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT, key_base=key_base,
+                idx_base=idx_base)
                     thr, cnt, cnt_g, reg0, F = _head_threshold(
                         key_rows, idx_rows, cnt, cnt_g, kk, tl.where(m_live, b_end - b_start, 0), m_t, R, CAP, CHUNK,
                         WARM_Z, WARM_MIN, SEARCH2, RAW, APPEND == 2, KTH, SPLIT=SELECT_SPLIT)
@@ -1409,7 +1419,8 @@ def hytopk_kernel(
                     idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                     WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH, ABLATE=ABLATE,
                     i_first=i_first, BALLOT=BALLOT, PROFILE=PROFILE, K_TMA=K_TMA, c_cmp=c_cmp, n_cmp=n_cmp,
-                    n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT)
+                    n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT, key_base=key_base,
+                idx_base=idx_base)
                 if PROFILE:
                     tl.debug_barrier()
                     dt = _clock(PROFILE, WHILE_LOOPS) - t0
@@ -1447,7 +1458,8 @@ def hytopk_kernel(
                 idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                 WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, KTH=KTH,
                 ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, K_TMA=K_TMA, c_cmp=c_cmp, n_cmp=n_cmp,
-                n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT)
+                n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT, key_base=key_base,
+                idx_base=idx_base)
             if PROFILE:
                 tl.debug_barrier()
                 c_loop += _clock(PROFILE, WHILE_LOOPS) - t1
@@ -1460,7 +1472,8 @@ def hytopk_kernel(
             o_out = o_t.to(tl.int64) * kk  # [R] output row offsets
             _select_store_rows(key_rows, idx_rows, cnt, kk, out_val_ptr + o_out, out_idx_ptr + o_out, m_t,
                                True, WRITE_SCORES, R, CAP, CHUNK, SEARCH2, RAW, cnt_g, APPEND == 2, KTH,
-                               HW=not WHILE_LOOPS, PROFILE=PROFILE, prof_ptr=prof_ptr, SPLIT=SELECT_SPLIT)
+                               HW=not WHILE_LOOPS, PROFILE=PROFILE, prof_ptr=prof_ptr, SPLIT=SELECT_SPLIT,
+                               key_base=key_base, idx_base=idx_base)
             # -1 / -inf padding after the kept entries
             n_keep = tl.minimum(_n_buffered(cnt, cnt_g, APPEND == 2), kk)  # [R]
             o_h = tl.arange(0, CHUNK)
