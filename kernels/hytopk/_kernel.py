@@ -616,7 +616,10 @@ def _select_store_rows(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                        SPLIT: tl.constexpr = 1, key_base=None, idx_base=None):
     """_select_store on the row block's rows, or (SPLIT 2, Config.select_split) on its even rows, then its odd rows:
     each select then holds [R / 2, CAP] keys in registers instead of [R, CAP] (8-row tiles at CAP 4096 spill
-    otherwise). Same results, in row order."""
+    otherwise). Same results, in row order. key_base / idx_base (scalars: the block's first scratch row): the
+    halves' row pointers are computed from them, so the compiler keeps their alignment (split pointer vectors lose
+    it, and the buffer loads then come out unvectorized with the rows spread over all warps: sm_90a select pass 572
+    instructions instead of 335)."""
     if SPLIT == 1:
         return _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows, FINAL, WRITE_SCORES, R, CAP,
                              CHUNK, SEARCH2, RAW, cnt_g, WARPS, KTH, FILTER=FILTER, thr_keep=thr_keep, HW=HW,
@@ -992,7 +995,8 @@ def _warm_rank(n_vis, m_smp, kk, CAP: tl.constexpr, WARM_Z: tl.constexpr, WARM_M
 @triton.jit
 def _head_threshold(key_rows, idx_rows, cnt, cnt_g, kk, n_vis, m_t, R: tl.constexpr, CAP: tl.constexpr,
                     CHUNK: tl.constexpr, WARM_Z: tl.constexpr, WARM_MIN: tl.constexpr, SEARCH2: tl.constexpr,
-                    RAW: tl.constexpr, WARPS: tl.constexpr, KTH: tl.constexpr, SPLIT: tl.constexpr = 1):
+                    RAW: tl.constexpr, WARPS: tl.constexpr, KTH: tl.constexpr, SPLIT: tl.constexpr = 1,
+                    key_base=None, idx_base=None):
     """Config.warm_sample="head": the buffers hold every visible key of the row block's first tiles (appended from
     -inf); each row's threshold tau is set from them as _warm_threshold sets it from its spread sample (the j-th
     largest - 1, same rank rule), and the buffer is filtered to its keys > tau in place (stable; WARPS: packed).
@@ -1012,7 +1016,8 @@ def _head_threshold(key_rows, idx_rows, cnt, cnt_g, kk, n_vis, m_t, R: tl.conste
     tau = tl.where(on, kth - 1, INT32_MIN)  # keys tied with the j-th stay (as in _warm_threshold)
     tl.debug_barrier()  # the search done reading before the filter rewrites the buffer
     _, kept = _select_store_rows(key_rows, idx_rows, cnt, kk, key_rows, idx_rows, m_t, False, False, R, CAP, CHUNK,
-                                 SEARCH2, RAW, cnt_g, WARPS, KTH, FILTER=True, thr_keep=tau, SPLIT=SPLIT)
+                                 SEARCH2, RAW, cnt_g, WARPS, KTH, FILTER=True, thr_keep=tau, SPLIT=SPLIT,
+                                 key_base=key_base, idx_base=idx_base)
     cnt_g = cnt_g * 0
     reg0 = tl.max(kept, axis=0)
     return tau, kept, cnt_g, reg0, (CAP - reg0) // KEY_GROUPS
@@ -1388,7 +1393,8 @@ def hytopk_kernel(
                 idx_base=idx_base)
                     thr, cnt, cnt_g, reg0, F = _head_threshold(
                         key_rows, idx_rows, cnt, cnt_g, kk, tl.where(m_live, b_end - b_start, 0), m_t, R, CAP, CHUNK,
-                        WARM_Z, WARM_MIN, SEARCH2, RAW, APPEND == 2, KTH, SPLIT=SELECT_SPLIT)
+                        WARM_Z, WARM_MIN, SEARCH2, RAW, APPEND == 2, KTH, SPLIT=SELECT_SPLIT, key_base=key_base,
+                        idx_base=idx_base)
                     i_first = n_head
                     t0 = _clock(PROFILE, WHILE_LOOPS)
                     c_smp += t0 - t1  # the head's tiles and threshold (its select: P_SAMPLE too)
