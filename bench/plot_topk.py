@@ -43,8 +43,8 @@ def main():
                 series[impl].append((T, float(r["ms"])))
         for impl, pts in sorted(series.items()):
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", color=COLORS.get(impl), label=impl.replace(" fused_qk_topk_lighting", "").replace(
-                " fused_qk_topk_naive", " naive"))
+            label = impl.replace(" fused_qk_topk_lighting", "").replace(" fused_qk_topk_naive", " naive")
+            ax.plot(xs, ys, marker="o", color=COLORS.get(impl), label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(shape, fontsize=9)

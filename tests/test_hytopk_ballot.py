@@ -191,7 +191,8 @@ def test_default_and_guard(monkeypatch, caplog):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,H,relu,rows8", [(12288, 64, True, False), (8192, 32, False, False), (9000, 32, True, True)])
+@pytest.mark.parametrize("T,H,relu,rows8",
+                         [(12288, 64, True, False), (8192, 32, False, False), (9000, 32, True, True)])
 def test_gpu_ballot_equals_sum(T, H, relu, rows8):
     """bf16 at real shapes (k 2048, warm start, compactions): the ballot slots give the mask sum's output bit for
     bit (order included), deterministically; the compiled layout passed the first-launch check. rows8: 8 rows per

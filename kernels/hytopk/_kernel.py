@@ -616,23 +616,19 @@ def _select_store_rows(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows,
                        SPLIT: tl.constexpr = 1, key_base=None, idx_base=None):
     """_select_store on the row block's rows, or (SPLIT 2, Config.select_split) on its even rows, then its odd rows:
     each select then holds [R / 2, CAP] keys in registers instead of [R, CAP] (8-row tiles at CAP 4096 spill
-    otherwise). Same results, in row order. key_base / idx_base (scalars: the block's first scratch row): the
-    halves' row pointers are computed from them, so the compiler keeps their alignment (split pointer vectors lose
-    it, and the buffer loads then come out unvectorized with the rows spread over all warps: sm_90a select pass 572
-    instructions instead of 335)."""
+    otherwise). Same results, in row order. key_base / idx_base (scalars: the block's first scratch row; needed
+    with SPLIT 2): the halves' row pointers are computed from them, so the compiler keeps their alignment (split
+    pointer vectors lose it, and the buffer loads then come out unvectorized with the rows spread over all warps:
+    sm_90a select pass 572 instructions instead of 335)."""
     if SPLIT == 1:
         return _select_store(key_rows, idx_rows, cnt, kk, dst_key, dst_idx, m_rows, FINAL, WRITE_SCORES, R, CAP,
                              CHUNK, SEARCH2, RAW, cnt_g, WARPS, KTH, FILTER=FILTER, thr_keep=thr_keep, HW=HW,
                              PROFILE=PROFILE, prof_ptr=prof_ptr)
-    if key_base is None:
-        kr0, kr1 = _halves(key_rows)
-        ir0, ir1 = _halves(idx_rows)
-    else:
-        o_e = (2 * tl.arange(0, R // 2)).to(tl.int64) * CAP
-        kr0 = key_base + o_e
-        kr1 = key_base + o_e + CAP
-        ir0 = idx_base + o_e
-        ir1 = idx_base + o_e + CAP
+    o_e = (2 * tl.arange(0, R // 2)).to(tl.int64) * CAP  # [R // 2] the even rows' offsets
+    kr0 = key_base + o_e
+    kr1 = key_base + o_e + CAP
+    ir0 = idx_base + o_e
+    ir1 = idx_base + o_e + CAP
     c0, c1 = _halves(cnt)
     dk0, dk1 = _halves(dst_key)
     di0, di1 = _halves(dst_idx)
@@ -1389,8 +1385,7 @@ def hytopk_kernel(
                         key_rows, idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU,
                         SELECT, IEEE, WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH,
                         ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, K_TMA=K_TMA, c_cmp=c_cmp, n_cmp=n_cmp,
-                        n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT, key_base=key_base,
-                idx_base=idx_base)
+                        n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT, key_base=key_base, idx_base=idx_base)
                     thr, cnt, cnt_g, reg0, F = _head_threshold(
                         key_rows, idx_rows, cnt, cnt_g, kk, tl.where(m_live, b_end - b_start, 0), m_t, R, CAP, CHUNK,
                         WARM_Z, WARM_MIN, SEARCH2, RAW, APPEND == 2, KTH, SPLIT=SELECT_SPLIT, key_base=key_base,
@@ -1425,8 +1420,7 @@ def hytopk_kernel(
                     idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                     WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, RAW=RAW, KTH=KTH, ABLATE=ABLATE,
                     i_first=i_first, BALLOT=BALLOT, PROFILE=PROFILE, K_TMA=K_TMA, c_cmp=c_cmp, n_cmp=n_cmp,
-                    n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT, key_base=key_base,
-                idx_base=idx_base)
+                    n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT, key_base=key_base, idx_base=idx_base)
                 if PROFILE:
                     tl.debug_barrier()
                     dt = _clock(PROFILE, WHILE_LOOPS) - t0
@@ -1464,8 +1458,7 @@ def hytopk_kernel(
                 idx_rows, m_t, o_n, o_d, m_d, H, D, R, BLOCK_N, CAP, CHUNK, MIN_FREE, RELU, SELECT, IEEE,
                 WHILE_LOOPS, SEARCH2, APPEND, LANE_ROWS=LANE_ROWS, LAZY_MAX=LAZY_MAX, RAW=RAW, KTH=KTH,
                 ABLATE=ABLATE, BALLOT=BALLOT, PROFILE=PROFILE, K_TMA=K_TMA, c_cmp=c_cmp, n_cmp=n_cmp,
-                n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT, key_base=key_base,
-                idx_base=idx_base)
+                n_seg_run=n_seg_run, SPLIT=SELECT_SPLIT, key_base=key_base, idx_base=idx_base)
             if PROFILE:
                 tl.debug_barrier()
                 c_loop += _clock(PROFILE, WHILE_LOOPS) - t1

@@ -249,7 +249,8 @@ def default_config(H: int, topk: int, interpret: bool = False) -> Config:
     # (session 16): H 64 68.95 -> 68.16 ms, H 32 42.51 -> 42.39. Off for the rest of the process if a compiled
     # kernel's layout does not match the model (_ballot_guard)
     # (8-row tiles, e.g. H 4's, only with an explicit group_mask="ballot": their layout is checked but not yet timed)
-    if _ballot_default and _rows(cfg, H) == 4 and ballot_applies(cfg, _rows(cfg, H), H):
+    R = _rows(cfg, H)
+    if _ballot_default and R == 4 and ballot_applies(cfg, R, H):
         cfg = replace(cfg, group_mask="ballot")
     return cfg
 
