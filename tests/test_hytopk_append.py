@@ -185,7 +185,7 @@ def test_gpu_append_variant_bit_identical(T, S, H, topk, relu, ratio):
     ref_i, ref_v = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=Config(append="tile"))
     for _ in range(2):  # deterministic too
         idx, val = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True,
-                          config=op.replace(default_config(H, topk), append="mask"))
+                          config=op.replace(default_config(H, topk), append="mask", select_split=1))
         assert torch.equal(idx, ref_i), f"{int((idx != ref_i).any(1).sum())} rows differ"
         if H > 4:  # H = 4: the head sum compiles to another order (1 ulp, measured on the H200): same sets
             assert torch.equal(val, ref_v)

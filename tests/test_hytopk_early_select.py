@@ -155,7 +155,8 @@ def test_gpu_search2_bit_identical(T, S, H, topk, relu):
 
     q, w, k = _inputs(T, S, H, D=128, seed=T, dtype=torch.bfloat16, device="cuda", w_sign=not relu)
     st, en = causal_bounds(T, S, offset=S - T, device="cuda")
-    cfg = replace(default_config(H, topk), append="mask", kth_search="radix")  # 1-bit vs 2-bit radix, "mask" append
+    # 1-bit vs 2-bit radix, "mask" append (whole-block selects: split selects need "warps")
+    cfg = replace(default_config(H, topk), append="mask", select_split=1, kth_search="radix")
     assert cfg.search_bits == 2
     one = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=replace(cfg, search_bits=1))
     two = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=cfg)

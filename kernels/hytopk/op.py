@@ -232,9 +232,11 @@ def _pow2_ceil(x: int) -> int:
 
 
 def default_config(H: int, topk: int, interpret: bool = False) -> Config:
-    """The launch shape for H index heads. rows_x_heads = 256 at H >= 64 (4 query rows per MMA tile); fewer
-    heads keep a few rows per tile instead of 256 / H: the key loop's per-row selection state then fits in
-    registers; Config.kth_search "interp" from topk 1024. H200, 64K causal (session 7, ``bench/topk.py --parts sweep --sweep-heads 32,4``): H 32 with
+    """The launch shape for H index heads. rows_x_heads = 256 at H >= 32 (4 query rows per MMA tile at H 64, 8 at
+    H 32 with split selects and ballot slots); fewer heads keep a few rows per tile instead of 256 / H: the key
+    loop's per-row selection state then fits in registers; Config.kth_search "interp" from topk 1024. H 32 with 8
+    rows: each 16 KB K tile feeds an N = 256 MMA instead of 128, halving K's L2 traffic per FLOP; H100, 5
+    interleaved rounds (session 22, ``bench/topk_profile_session.sh``): 64K 37.09 -> 35.18 ms, 128K 147.78 -> 132.14. H200, 64K causal (session 7, ``bench/topk.py --parts sweep --sweep-heads 32,4``): H 32 with
     rows_x_heads 128 (and the default 3 stages) 68.3 ms vs 90.5 with 256 and 2 stages (which spills 86 LDL/STL per tile); H 4 (k 512,
     S/4 keys) with 32: 10.2 ms vs 32.4 with 256. H 8 / 16 follow the same rule (4 rows), not yet timed."""
     if interpret:
@@ -244,13 +246,19 @@ def default_config(H: int, topk: int, interpret: bool = False) -> Config:
     # H100, 64K causal, 7 interleaved rounds (session 15): H 64 70.41 -> 69.51 ms, H 32 42.56 -> 41.77; at topk 512
     # (H 4 over S/4 keys, CAP 1024) it was slower: 7.52 -> 8.16
     kth = "interp" if topk >= 1024 else "radix"
-    cfg = Config(kth_search=kth) if H >= 64 else Config(rows_x_heads=max(32, 4 * H), kth_search=kth)
+    if H >= 64:
+        cfg = Config(kth_search=kth)
+    elif H == 32:  # 8 rows: a select over [8, CAP] keys spills unless split into even / odd rows
+        cfg = Config(rows_x_heads=256, select_split=2, kth_search=kth)
+    else:
+        cfg = Config(rows_x_heads=max(32, 4 * H), kth_search=kth)
     # ballot slots where the tile has 4 rows (H 8..64); bit-identical output. H200, 64K causal, 7 interleaved rounds
     # (session 16): H 64 68.95 -> 68.16 ms, H 32 42.51 -> 42.39. Off for the rest of the process if a compiled
     # kernel's layout does not match the model (_ballot_guard)
-    # (8-row tiles, e.g. H 4's, only with an explicit group_mask="ballot": their layout is checked but not yet timed)
+    # 8-row tiles at H 32 too (session 22's timings above are ballot to ballot); H 4's 8-row tiles only with an
+    # explicit group_mask="ballot" (layout-checked, not timed there)
     R = _rows(cfg, H)
-    if _ballot_default and R == 4 and ballot_applies(cfg, R, H):
+    if _ballot_default and (R == 4 or (R == 8 and H == 32)) and ballot_applies(cfg, R, H):
         cfg = replace(cfg, group_mask="ballot")
     return cfg
 
