@@ -234,11 +234,13 @@ def _pow2_ceil(x: int) -> int:
 def default_config(H: int, topk: int, interpret: bool = False) -> Config:
     """The launch shape for H index heads. rows_x_heads = 256 at H >= 32 (4 query rows per MMA tile at H 64, 8 at
     H 32 with split selects and ballot slots); fewer heads keep a few rows per tile instead of 256 / H: the key
-    loop's per-row selection state then fits in registers; Config.kth_search "interp" from topk 1024. H 32 with 8
-    rows: each 16 KB K tile feeds an N = 256 MMA instead of 128, halving K's L2 traffic per FLOP; H100, 5
-    interleaved rounds (session 22, ``bench/topk_profile_session.sh``): 64K 37.09 -> 35.18 ms, 128K 147.78 -> 132.14. H200, 64K causal (session 7, ``bench/topk.py --parts sweep --sweep-heads 32,4``): H 32 with
-    rows_x_heads 128 (and the default 3 stages) 68.3 ms vs 90.5 with 256 and 2 stages (which spills 86 LDL/STL per tile); H 4 (k 512,
-    S/4 keys) with 32: 10.2 ms vs 32.4 with 256. H 8 / 16 follow the same rule (4 rows), not yet timed."""
+    loop's per-row selection state then fits in registers; Config.kth_search "interp" from topk 1024.
+
+    H 32 with 8 rows: each 16 KB K tile feeds an N = 256 MMA instead of 128, halving K's L2 traffic per FLOP; H100,
+    5 interleaved rounds (session 22, ``bench/topk_profile_session.sh``): 64K 37.09 -> 35.18 ms, 128K 147.78 ->
+    132.14. (Session 7, before split selects, 8 rows spilled 86 LDL/STL per tile: 90.5 ms vs 68.3 with 4 rows.)
+    H 4 (k 512, S/4 keys) with rows_x_heads 32: 10.2 ms vs 32.4 with 256 (H200, session 7). H 8 / 16 keep 4 rows,
+    not timed at 8."""
     if interpret:
         return Config(block_n=16, rows_x_heads=2 * H, num_warps=1, num_stages=1, programs_per_sm=1,
                       min_free_tiles=1, sel_chunk=64)
