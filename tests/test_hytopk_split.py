@@ -78,17 +78,20 @@ def test_bad_config(kw, msg):
 
 @pytest.mark.gpu
 def test_gpu_eight_row_tiles():
-    """bf16, H 32, k 2048, warm start, compactions: 8-row tiles with split selects select the default launch's
-    (index, score) pairs (rows compared by key index: the launch shapes differ), deterministically."""
+    """bf16, H 32, k 2048, warm start, compactions: the default's 8-row tiles with split selects (ballot and mask-sum
+    slots) select the 4-row launch's (index, score) pairs (rows compared by key index: the launch shapes differ),
+    deterministically."""
     q, w, k, st, en = gpu_causal_inputs(8192, 32)
     cfg = default_config(32, 2048)
-    base = by_index(*hytopk(q, w, k, st, en, 2048, relu=True, return_scores=True, config=cfg))
-    var = op.replace(cfg, rows_x_heads=256, select_split=2, group_mask="sum")
-    got_i, got_v = hytopk(q, w, k, st, en, 2048, relu=True, return_scores=True, config=var)
-    assert torch.equal(got_i, hytopk(q, w, k, st, en, 2048, relu=True, config=var)), "two runs differ"
-    got = by_index(got_i, got_v)
-    assert torch.equal(got[0], base[0]), "index sets differ from the default launch"
-    assert torch.equal(got[1], base[1]), "scores differ from the default launch"
+    assert (op._rows(cfg, 32), cfg.select_split) == (8, 2), "H 32's default: 8 rows, split selects"
+    base = by_index(*hytopk(q, w, k, st, en, 2048, relu=True, return_scores=True,
+                            config=op.replace(cfg, rows_x_heads=128, select_split=1)))
+    for var in (cfg, op.replace(cfg, group_mask="sum")):
+        got_i, got_v = hytopk(q, w, k, st, en, 2048, relu=True, return_scores=True, config=var)
+        assert torch.equal(got_i, hytopk(q, w, k, st, en, 2048, relu=True, config=var)), "two runs differ"
+        got = by_index(got_i, got_v)
+        assert torch.equal(got[0], base[0]), f"index sets differ from the 4-row launch ({var.group_mask})"
+        assert torch.equal(got[1], base[1]), f"scores differ from the 4-row launch ({var.group_mask})"
 
 
 def test_interpreter_in_subprocess():
