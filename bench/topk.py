@@ -637,8 +637,8 @@ if "sweep" in args.parts:
 
 def causal_shapes():
     """The ablate / profile parts' inputs: causal T = S = --sweep-S (64 with --smoke, H 4, k 8) for each of --sweep-heads
-    (64 / 32, or any even head count from 8, e.g. 16 to time its launch shapes; k 2048). Yields (S, H, topk, q, w, k, starts, ends, flops, default config), dropping its own references
-    to the inputs after each shape."""
+    from 8 (even; 64 / 32 or e.g. 16 to time its launch shapes; k 2048). Yields (S, H, topk, q, w, k, starts, ends,
+    flops, default config), dropping its own references to the inputs after each shape."""
     S = 64 if args.smoke else args.sweep_S
     heads = [int(h) for h in args.sweep_heads.split(",") if h.strip() and int(h) >= 8 and int(h) % 2 == 0]
     for H, kk in ((4, 8),) if args.smoke else [(h, 2048) for h in heads]:

@@ -140,7 +140,8 @@ def test_gpu_raw_keys_bit_identical(T, H, relu):
     st, en = st.cuda(), en.cuda()
     from hyscale_kernels.hytopk.op import default_config
 
-    cfg = replace(default_config(H, 2048), append="mask", select_split=1)  # raw vs int keys: the "warps" default needs raw keys
+    # raw vs int keys: the "warps" default needs raw keys (and its split selects need "warps")
+    cfg = replace(default_config(H, 2048), append="mask", select_split=1)
     (ri, rv), (di, dv) = _pair(q, w, k, st, en, 2048, relu, cfg)
     # compiled, the two variants may round the fp32 head sum differently (FMA contraction): session 11 saw
     # equal indices at H 32 / identity but 84 of 16.8M scores differing in their last bits, all sums near 0

@@ -260,7 +260,7 @@ def default_config(H: int, topk: int, interpret: bool = False) -> Config:
     # 8-row tiles at H 32 too (session 22's timings above are ballot to ballot); H 4's 8-row tiles only with an
     # explicit group_mask="ballot" (layout-checked, not timed there)
     R = _rows(cfg, H)
-    if _ballot_default and (R == 4 or (R == 8 and H == 32)) and ballot_applies(cfg, R, H):
+    if _ballot_default and (R == 4 or H == 32) and ballot_applies(cfg, R, H):
         cfg = replace(cfg, group_mask="ballot")
     return cfg
 
