@@ -55,6 +55,8 @@ p.add_argument("--parts", default="check,sweep,main",
 p.add_argument("--sizes", default="16384,32768,65536,131072,262144")
 p.add_argument("--heads", default="64,32")
 p.add_argument("--stock-max", type=int, default=131072, help="largest S for stock TileLang (2.1 s/call at 128K)")
+p.add_argument("--extra-shapes", default="qsa,csa",
+               help="with --parts main: the compressed-key shapes to add (comma list of qsa, csa; '' for none)")
 p.add_argument("--stock-heads", default="64,32")
 p.add_argument("--naive-max", type=int, default=16384)
 p.add_argument("--sweep-S", type=int, default=65536)
@@ -841,10 +843,15 @@ elif "main" in args.parts:
     for H in [int(h) for h in args.heads.split(",")]:
         for S in sizes:
             SHAPES.append((f"DSA H{H}", H, 2048, S, 1))
-    for S in sizes:
-        SHAPES.append(("QSA-like H4 S/4", 4, 512, S, 4))
-    for S in sizes:
-        SHAPES.append(("CSA-like H64 k512 S/4", 64, 512, S, 4))
+    extra = set(filter(None, args.extra_shapes.split(",")))
+    if extra - {"qsa", "csa"}:
+        sys.exit(f"--extra-shapes: unknown {sorted(extra - {'qsa', 'csa'})}; use a comma list of qsa, csa (or '')")
+    if "qsa" in extra:
+        for S in sizes:
+            SHAPES.append(("QSA-like H4 S/4", 4, 512, S, 4))
+    if "csa" in extra:
+        for S in sizes:
+            SHAPES.append(("CSA-like H64 k512 S/4", 64, 512, S, 4))
 
 
 def run_shape(name, H, kk, T, ratio):

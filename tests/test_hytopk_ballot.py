@@ -195,11 +195,12 @@ def test_default_and_guard(monkeypatch, caplog):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,H,relu,rows8",
-                         [(12288, 64, True, False), (8192, 32, False, False), (9000, 32, True, True)])
+                         [(12288, 64, True, False), (8192, 32, False, False), (9000, 32, True, True),
+                          (9000, 16, False, True)])
 def test_gpu_ballot_equals_sum(T, H, relu, rows8):
     """bf16 at real shapes (k 2048, warm start, compactions): the ballot slots give the mask sum's output bit for
     bit (order included), deterministically; the compiled layout passed the first-launch check. rows8: 8 rows per
-    tile at H 32 (rows_x_heads 256, split selects: the default), else 4 (rows_x_heads 4 H)."""
+    tile (rows_x_heads 8 H, split selects: the default at H 32; H 16 candidate), else 4 (rows_x_heads 4 H)."""
     q, w, k, st, en = gpu_causal_inputs(T, H)
     cfg = default_config(H, 2048)
     assert cfg.group_mask == "ballot", "the default at H 32 / 64"
