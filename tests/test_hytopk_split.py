@@ -77,16 +77,17 @@ def test_bad_config(kw, msg):
 
 
 @pytest.mark.gpu
-def test_gpu_eight_row_tiles():
-    """bf16, H 32, k 2048, warm start, compactions: the default's 8-row tiles with split selects (ballot and mask-sum
-    slots) select the 4-row launch's (index, score) pairs (rows compared by key index: the launch shapes differ),
-    deterministically."""
-    q, w, k, st, en = gpu_causal_inputs(8192, 32)
-    cfg = default_config(32, 2048)
-    assert (op._rows(cfg, 32), cfg.select_split) == (8, 2), "H 32's default: 8 rows, split selects"
+@pytest.mark.parametrize("H", [32, 16])
+def test_gpu_eight_row_tiles(H):
+    """bf16, H 32 / 16, k 2048, warm start, compactions: the default's 8-row tiles with split selects (ballot and
+    mask-sum slots) select the 4-row launch's (index, score) pairs (rows compared by key index: the launch shapes
+    differ), deterministically."""
+    q, w, k, st, en = gpu_causal_inputs(8192, H)
+    cfg = default_config(H, 2048)
+    assert (op._rows(cfg, H), cfg.select_split) == (8, 2), f"H {H}'s default: 8 rows, split selects"
     base = by_index(*hytopk(q, w, k, st, en, 2048, relu=True, return_scores=True,
-                            config=op.replace(cfg, rows_x_heads=128, select_split=1)))
-    for var in (cfg, op.replace(cfg, group_mask="sum")):
+                            config=op.replace(cfg, rows_x_heads=4 * H, select_split=1)))
+    for var in (op.replace(cfg, group_mask="ballot"), op.replace(cfg, group_mask="sum")):
         got_i, got_v = hytopk(q, w, k, st, en, 2048, relu=True, return_scores=True, config=var)
         assert torch.equal(got_i, hytopk(q, w, k, st, en, 2048, relu=True, config=var)), "two runs differ"
         got = by_index(got_i, got_v)
