@@ -383,9 +383,10 @@ def variant_cfgs(base):
     default before session 10), the "mask" append (the default until session 15), the prefix-sum append and the
     1-bit select (the defaults before session 6), the select starting below the shared leading bits."""
     rdx = replace(base, kth_search="radix")  # default_config: "interp" from topk 1024 (session 15)
-    return [replace(base, warm_start=0), replace(base, warm_start=512), replace(base, append="mask"),
-            replace(base, append="tile"), replace(rdx, append="mask", search_bits=1), rdx,
-            replace(rdx, select_prefix=True), replace(rdx, append="mask", select_prefix=True)]
+    one = dict(select_split=1)  # the other appends: whole-block selects (split selects need "warps"; H 16 / 32)
+    return [replace(base, warm_start=0), replace(base, warm_start=512), replace(base, append="mask", **one),
+            replace(base, append="tile", **one), replace(rdx, append="mask", search_bits=1, **one), rdx,
+            replace(rdx, select_prefix=True), replace(rdx, append="mask", select_prefix=True, **one)]
 
 
 WARM_CHECK_SPECS = (0, 1, 2, 4)  # causal relu, identity w+-, packed, QSA H4
