@@ -171,15 +171,15 @@ def test_layout_check():
 
 
 def test_default_and_guard(monkeypatch, caplog):
-    """default_config uses the ballot for 4-row tiles on the GPU (H 8, 64) and H 32's 8-row tiles (with split
-    selects), not at H 4 / 16 (8-row tiles: mask sums) / 128 or in the interpreter.
+    """default_config uses the ballot for 4-row tiles on the GPU (H 8..64) and H 32's 8-row tiles (with split
+    selects), not at H 4 / 128 or in the interpreter.
     A layout mismatch: an explicit Config raises; the default logs a warning, returns False (the caller re-runs
     with "sum") and default_config stays on "sum" for the process."""
     monkeypatch.setattr(op, "_ballot_default", True)
-    for H, want in ((64, "ballot"), (32, "ballot"), (16, "sum"), (8, "ballot"), (4, "sum"), (128, "sum")):
+    for H, want in ((64, "ballot"), (32, "ballot"), (16, "ballot"), (8, "ballot"), (4, "sum"), (128, "sum")):
         assert default_config(H, 2048).group_mask == want, H
     rows = {H: (op._rows(default_config(H, 2048), H), default_config(H, 2048).select_split) for H in (64, 32, 16, 4)}
-    assert rows == {64: (4, 1), 32: (8, 2), 16: (8, 2), 4: (8, 1)}, rows
+    assert rows == {64: (4, 1), 32: (8, 2), 16: (4, 1), 4: (8, 1)}, rows
     assert default_config(64, 2048, interpret=True).group_mask == "sum"
     good = _Kern(_ttgir(_kernel.BALLOT_LAYOUT))
     bad = _Kern(_ttgir(_kernel.BALLOT_LAYOUT.replace("register = [[0, 8, 0]]", "register = [[0, 0, 2]]")))
@@ -200,7 +200,7 @@ def test_default_and_guard(monkeypatch, caplog):
 def test_gpu_ballot_equals_sum(T, H, relu, rows8):
     """bf16 at real shapes (k 2048, warm start, compactions): the ballot slots give the mask sum's output bit for
     bit (order included), deterministically; the compiled layout passed the first-launch check. rows8: 8 rows per
-    tile (rows_x_heads 8 H, split selects: the default at H 32; H 16 candidate), else 4 (rows_x_heads 4 H)."""
+    tile (rows_x_heads 8 H, split selects: the default at H 32; at H 16 a candidate), else 4 (rows_x_heads 4 H)."""
     q, w, k, st, en = gpu_causal_inputs(T, H)
     cfg = op.replace(default_config(H, 2048), group_mask="ballot")  # the default at H 32 / 64
     cfg = op.replace(cfg, rows_x_heads=8 * H, select_split=2) if rows8 else op.replace(cfg, rows_x_heads=4 * H,
