@@ -230,7 +230,8 @@ def test_gpu_warps_same_sets(T, H, relu):
     q, w, k, st, en = gpu_causal_inputs(T, H)
     cfg = default_config(H, 2048)
     assert cfg.append == "warps"
-    di, dv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, append="mask", select_split=1))  # split selects need "warps"
+    mask_cfg = op.replace(cfg, append="mask", select_split=1)  # split selects (H 32's default) need "warps"
+    di, dv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=mask_cfg)
     wi, wv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, append="warps"))
     wi2 = hytopk(q, w, k, st, en, 2048, relu=relu, config=op.replace(cfg, append="warps"))
     assert torch.equal(wi, wi2), "two runs differ"
