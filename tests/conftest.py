@@ -17,6 +17,8 @@ if not _HAS_CUDA:
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["_instafail"]  # HYSCALE_TEST_INSTAFAIL=1: failures reported when they happen (device calls)
+
 try:  # an uninstalled checkout (e.g. the GPU machine): import kernels/ and patches/ from the repo
     import hyscale_kernels  # noqa: F401
 except ImportError:
