@@ -202,7 +202,7 @@ def test_gpu_ballot_equals_sum(T, H, relu, rows8):
     bit (order included), deterministically; the compiled layout passed the first-launch check. rows8: 8 rows per
     tile (rows_x_heads 8 H, split selects: the default at H 32; at H 16 a candidate), else 4 (rows_x_heads 4 H)."""
     q, w, k, st, en = gpu_causal_inputs(T, H)
-    cfg = op.replace(default_config(H, 2048), group_mask="ballot")  # the default at H 32 / 64
+    cfg = op.replace(default_config(H, 2048), group_mask="ballot")  # the default at H 32 / 64; explicit for H 16
     cfg = op.replace(cfg, rows_x_heads=8 * H, select_split=2) if rows8 else op.replace(cfg, rows_x_heads=4 * H,
                                                                                        select_split=1)
     si, sv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, group_mask="sum"))
