@@ -389,7 +389,7 @@ def variant_cfgs(base):
             replace(rdx, select_prefix=True), replace(rdx, append="mask", select_prefix=True, **one)]
 
 
-WARM_CHECK_SPECS = (0, 1, 2, 4)  # causal relu, identity w+-, packed, QSA H4
+WARM_CHECK_SPECS = (0, 1, 2, 4, 6)  # causal relu, identity w+-, packed, QSA H4, H16
 
 
 def check_warm(name, q, w, k, st, en, kk, relu):
@@ -442,6 +442,7 @@ if "check" in args.parts:
             ("CP offset 4096 H64 k2048", 4096, 8192, 64, 2048, True, causal(4096, offset=4096), False),
             ("QSA H4 k512 S/4 keys", 16384, 4096, 4, 512, True, causal(16384, ratio=4), False),
             ("CSA H64 k512 S/4 keys", 16384, 4096, 64, 512, True, causal(16384, ratio=4), False),
+            ("causal H16 k2048 relu 10K", 10240, 10240, 16, 2048, True, causal(10240), False),
         ]
         if args.smoke:
             specs = [("smoke causal", 40, 96, 4, 8, True, causal(40, offset=56), False),

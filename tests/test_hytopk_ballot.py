@@ -21,7 +21,8 @@ from hyscale_kernels.hytopk.op import Config, default_config
 from hyscale_kernels.hytopk.reference import causal_bounds
 from interp_rerun import rerun_under_interpreter
 from test_hytopk_warmstart import _assert_reference_sets, _inputs
-from test_hytopk_warps import _spy, gpu_causal_inputs, packed_rows_case, short_masked_case, zero_ties_case
+from test_hytopk_warps import (_spy, gpu_causal_inputs, packed_rows_case, same_up_to_rounding, short_masked_case,
+                               zero_ties_case)
 
 INTERP = interpreter_active()
 interp = pytest.mark.skipif(not INTERP, reason="Triton interpreter not active in this process")
@@ -171,7 +172,7 @@ def test_layout_check():
 
 
 def test_default_and_guard(monkeypatch, caplog):
-    """default_config uses the ballot for 4-row tiles on the GPU (H 8..64) and H 32's 8-row tiles (with split
+    """default_config uses the ballot for 4-row tiles on the GPU (H 8..64) and H 32's and 16's 8-row tiles (with split
     selects), not at H 4 / 128 or in the interpreter.
     A layout mismatch: an explicit Config raises; the default logs a warning, returns False (the caller re-runs
     with "sum") and default_config stays on "sum" for the process."""
@@ -179,7 +180,7 @@ def test_default_and_guard(monkeypatch, caplog):
     for H, want in ((64, "ballot"), (32, "ballot"), (16, "ballot"), (8, "ballot"), (4, "sum"), (128, "sum")):
         assert default_config(H, 2048).group_mask == want, H
     rows = {H: (op._rows(default_config(H, 2048), H), default_config(H, 2048).select_split) for H in (64, 32, 16, 4)}
-    assert rows == {64: (4, 1), 32: (8, 2), 16: (4, 1), 4: (8, 1)}, rows
+    assert rows == {64: (4, 1), 32: (8, 2), 16: (8, 2), 4: (8, 1)}, rows
     assert default_config(64, 2048, interpret=True).group_mask == "sum"
     good = _Kern(_ttgir(_kernel.BALLOT_LAYOUT))
     bad = _Kern(_ttgir(_kernel.BALLOT_LAYOUT.replace("register = [[0, 8, 0]]", "register = [[0, 0, 2]]")))
@@ -194,23 +195,30 @@ def test_default_and_guard(monkeypatch, caplog):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,H,relu,rows8",
-                         [(12288, 64, True, False), (8192, 32, False, False), (9000, 32, True, True),
-                          (9000, 16, False, True)])
-def test_gpu_ballot_equals_sum(T, H, relu, rows8):
-    """bf16 at real shapes (k 2048, warm start, compactions): the ballot slots give the mask sum's output bit for
-    bit (order included), deterministically; the compiled layout passed the first-launch check. rows8: 8 rows per
-    tile (rows_x_heads 8 H, split selects: the default at H 32; at H 16 a candidate), else 4 (rows_x_heads 4 H)."""
+@pytest.mark.parametrize("T,H,relu,rows8,w_bf16",
+                         [(12288, 64, True, False, False), (8192, 32, False, False, False),
+                          (9000, 32, True, True, False), (9000, 16, False, True, False), (10240, 16, True, False, True),
+                          (10240, 64, True, False, True)])
+def test_gpu_ballot_equals_sum(T, H, relu, rows8, w_bf16):
+    """bf16 q / k at real shapes (k 2048, warm start, compactions): the ballot slots give the mask sum's selection,
+    deterministically, and the compiled layout passed the first-launch check. The two compiles may round the fp32
+    head sum differently (session 24: H 16, 4 rows, bf16 head weights, bench/topk.py check spec 6: <= 2 ulp, one
+    near-tie swapped), so rows are compared up to that rounding; bit for bit where w is fp32 (measured so far).
+    rows8: 8 rows per tile (rows_x_heads 8 H, split selects: the default at H 32 / 16), else 4 (rows_x_heads 4 H)."""
     q, w, k, st, en = gpu_causal_inputs(T, H)
-    cfg = op.replace(default_config(H, 2048), group_mask="ballot")  # the default at H 32 / 64; explicit for H 16
+    if w_bf16:
+        w = w.bfloat16()
+    cfg = op.replace(default_config(H, 2048), group_mask="ballot")  # the default at H 16..64
     cfg = op.replace(cfg, rows_x_heads=8 * H, select_split=2) if rows8 else op.replace(cfg, rows_x_heads=4 * H,
                                                                                        select_split=1)
     si, sv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, group_mask="sum"))
     bi, bv = hytopk(q, w, k, st, en, 2048, relu=relu, return_scores=True, config=op.replace(cfg, group_mask="ballot"))
     bi2 = hytopk(q, w, k, st, en, 2048, relu=relu, config=op.replace(cfg, group_mask="ballot"))
     assert torch.equal(bi, bi2), "two runs differ"
-    assert torch.equal(bi, si), f"indices differ from the mask sum's in {int((bi != si).any(1).sum())} rows"
-    assert torch.equal(bv, sv), "scores differ"
+    n_idx, n_val = same_up_to_rounding(q, w, k, st, en, 2048, relu, (bi, bv), (si, sv), ("ballot", "sum"))
+    if not w_bf16:
+        assert n_idx == 0 and n_val == 0, f"ballot vs sum: indices differ in {n_idx} rows, scores in {n_val}"
+    print(f"ballot vs sum: indices differ in {n_idx} rows, scores in {n_val}")
 
 
 def test_interpreter_in_subprocess():

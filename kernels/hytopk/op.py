@@ -120,7 +120,10 @@ class Config:
     # append="warps": how a key group's candidates in a row get their slots. "sum": an int32 bit mask summed over the
     # group's keys (3 dependent shuffle levels across the warp's lanes, then popc). "ballot": two warp ballots
     # (vote.sync) and popc, no shuffle; the tile loop carries the next free slots repeated per key. Same slots, so
-    # the output is bit-identical. Used where the launch allows it (append "warps", block_n 64, 4 or 8 rows per
+    # the same selection; the two compiles may round the fp32 head sum differently (session 24, H 16 4 rows, bf16
+    # head weights: scores differ by <= 2 ulp in most rows and one near-tie at a row's k-th key swapped; with fp32
+    # weights, the GPU tests' other inputs, bit-identical): both are the reference's sets up to such near-ties (tests
+    # test_hytopk_ballot.py). Used where the launch allows it (append "warps", block_n 64, 4 or 8 rows per
     # tile, i.e. rows_x_heads / H_I = 4 or 8 (8: four ballots per warp), num_warps 4, lane_rows; elsewhere ignored
     # with an info log line, as lane_rows is) and
     # where Triton laid the candidate tile out as the lane arithmetic assumes: checked on the compiled kernel at its
@@ -232,18 +235,18 @@ def _pow2_ceil(x: int) -> int:
 
 
 def default_config(H: int, topk: int, interpret: bool = False) -> Config:
-    """The launch shape for H index heads: 4 query rows per MMA tile at H 64 (rows_x_heads 256), 8 at H 32
-    (rows_x_heads 256, split selects, ballot slots); fewer heads keep a few rows per tile instead of 256 / H: the key
+    """The launch shape for H index heads: 4 query rows per MMA tile at H 64 (rows_x_heads 256), 8 at H 32 and 16
+    (rows_x_heads 8 H, split selects, ballot slots); fewer heads keep a few rows per tile instead of 256 / H: the key
     loop's per-row selection state then fits in registers; Config.kth_search "interp" from topk 1024.
 
     H 32 with 8 rows: each 16 KB K tile feeds an N = 256 MMA instead of 128, halving K's L2 traffic per FLOP; H100,
     5 interleaved rounds (session 22, ``bench/topk_profile_session.sh``): 64K 37.09 -> 35.18 ms, 128K 147.78 ->
     132.14. (Session 7, before split selects, 8 rows spilled 86 LDL/STL per tile: 90.5 ms vs 68.3 with 4 rows.)
-    H 16 with 8 rows (rows_x_heads 128, select_split 2: N = 128 MMAs instead of 64) was 14% faster (H100, 64K, 5
-    interleaved rounds, session 23: 25.22 -> 21.61 ms) but its GPU test against the 4-row launch failed (not yet
-    diagnosed; the interpreter agrees with the reference for both): H 16 keeps 4 rows until
-    tests/test_hytopk_split.py::test_gpu_eight_row_tiles[16] passes. H 4 (k 512, S/4 keys) with rows_x_heads 32:
-    10.2 ms vs 32.4 with 256 (H200, session 7). H 8 keeps 4 rows, not timed at 8."""
+    H 16 with 8 rows (N = 128 MMAs instead of 64): H100, 64K, 5 interleaved rounds (session 23): 25.22 -> 21.85 ms
+    with ballot slots (21.61 with mask-sum slots, within the rounds' spread); its output equals the 4-row launch's
+    bit for bit (session 24: tests/test_hytopk_split.py::test_gpu_eight_row_tiles, bench/topk.py check spec 6).
+    H 4 (k 512, S/4 keys) with rows_x_heads 32: 10.2 ms vs 32.4 with 256 (H200, session 7). H 8 keeps 4 rows, not
+    timed at 8."""
     if interpret:
         return Config(block_n=16, rows_x_heads=2 * H, num_warps=1, num_stages=1, programs_per_sm=1,
                       min_free_tiles=1, sel_chunk=64)
@@ -253,17 +256,17 @@ def default_config(H: int, topk: int, interpret: bool = False) -> Config:
     kth = "interp" if topk >= 1024 else "radix"
     if H >= 64:
         cfg = Config(kth_search=kth)
-    elif H == 32:  # 8 rows: a select over [8, CAP] keys spills unless split into even / odd rows
-        cfg = Config(rows_x_heads=256, select_split=2, kth_search=kth)
+    elif H in (16, 32):  # 8 rows: a select over [8, CAP] keys spills unless split into even / odd rows
+        cfg = Config(rows_x_heads=8 * H, select_split=2, kth_search=kth)
     else:
         cfg = Config(rows_x_heads=max(32, 4 * H), kth_search=kth)
-    # ballot slots where the tile has 4 rows (H 8..64); bit-identical output. H200, 64K causal, 7 interleaved rounds
-    # (session 16): H 64 68.95 -> 68.16 ms, H 32 42.51 -> 42.39. Off for the rest of the process if a compiled
-    # kernel's layout does not match the model (_ballot_guard)
-    # 8-row tiles at H 32 too (session 22's timings above are ballot to ballot); H 4's 8-row tiles only with an
-    # explicit group_mask="ballot" (layout-checked, not timed there)
+    # ballot slots where the tile has 4 rows (H 8..64); the mask sum's slots (see Config.group_mask on rounding).
+    # H200, 64K causal, 7 interleaved rounds (session 16): H 64 68.95 -> 68.16 ms, H 32 42.51 -> 42.39. Off for the
+    # rest of the process if a compiled kernel's layout does not match the model (_ballot_guard)
+    # 8-row tiles at H 32 and 16 too (session 22's H 32 timings above are ballot to ballot); H 4's 8-row tiles only
+    # with an explicit group_mask="ballot" (layout-checked, not timed there)
     R = _rows(cfg, H)
-    if _ballot_default and (R == 4 or H == 32) and ballot_applies(cfg, R, H):
+    if _ballot_default and (R == 4 or H in (16, 32)) and ballot_applies(cfg, R, H):
         cfg = replace(cfg, group_mask="ballot")
     return cfg
 
