@@ -363,7 +363,8 @@ def test_reference_path_and_log(caplog, monkeypatch):
     (4096, 4096, 64, 2048, True, 1),
     (3000, 5000, 32, 2048, False, 1),
     (8192, 2048, 4, 512, True, 4),
-    (6000, 6000, 16, 2048, True, 1),  # H 16 (4 rows per tile): no GPU check covered it before session 23
+    (6000, 6000, 16, 2048, True, 1),  # H 16 (8 rows per tile since session 24): first GPU-checked in session 23
+    (5000, 5000, 8, 1024, False, 1),  # H 8 (4 rows per tile), topk 1024: first GPU-checked in session 24
 ])
 @pytest.mark.parametrize("lane_rows", [False, True])
 def test_gpu_matches_reference(T, S, H, topk, relu, ratio, lane_rows):
