@@ -30,7 +30,7 @@ CLASSES = {"HGMMA": r"^HGMMA", "LDL": r"^LDL", "STL": r"^STL", "BAR": r"^BAR", "
 
 
 def compile_sass(heads: int, topk: int, overrides: dict, kernel_path: str | None, floor: bool, profile: bool,
-                 out: str, maxnreg: int | None = None) -> dict:
+                 out: str, maxnreg: int | None = None, w_dtype: str = "bf16") -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -53,8 +53,8 @@ def compile_sass(heads: int, topk: int, overrides: dict, kernel_path: str | None
     const = op.kernel_constexprs(cfg, heads, 128, topk, select=not floor, relu=True, write_scores=False,
                                  ieee=False, interp=False, lazy_max=floor, profile=profile)
     const = {c: v for c, v in const.items() if c in names}  # an older kernel file lacks newer constexprs
-    sig = dict(q_ptr="*bf16", w_ptr="*bf16", k_ptr="*bf16", starts_ptr="*i32", ends_ptr="*i32", out_idx_ptr="*i32",
-               out_val_ptr="*fp32", buf_key_ptr="*i32", buf_idx_ptr="*i32", stats_ptr="*i32", prof_ptr="*i64",
+    sig = dict(q_ptr="*bf16", w_ptr=f"*{w_dtype}", k_ptr="*bf16", starts_ptr="*i32", ends_ptr="*i32",
+               out_idx_ptr="*i32", out_val_ptr="*fp32", buf_key_ptr="*i32", buf_idx_ptr="*i32", stats_ptr="*i32", prof_ptr="*i64",
                T="i32", S="i32", kk="i32", n_blocks="i32", n_p="i32")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
     if "k_desc" in names:  # Config.k_tma: a host-side tensor descriptor of k; otherwise the None default
@@ -136,13 +136,15 @@ def main():
     p.add_argument("--profile", action="store_true", help="the PROFILE build")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (default: op.register_cap of the "
                    "config, e.g. 168 for programs_per_sm 3)")
+    p.add_argument("--w-dtype", default="bf16", choices=["bf16", "fp32"], help="the head weights' dtype (Megatron's "
+                   "indexer gives bf16)")
     p.add_argument("--out", default=None, help="keep k.ptx / k.cubin / k.sass / k.ttgir here")
     p.add_argument("--min-loop", type=int, default=40, help="list loops of at least this many instructions")
     p.add_argument("--top-lines", type=int, default=4, help="source lines listed per loop")
     a = p.parse_args()
     out = a.out or tempfile.mkdtemp()
     os.makedirs(out, exist_ok=True)
-    res = compile_sass(a.heads, a.topk, json.loads(a.config), a.kernel, a.floor, a.profile, out, a.maxnreg)
+    res = compile_sass(a.heads, a.topk, json.loads(a.config), a.kernel, a.floor, a.profile, out, a.maxnreg, a.w_dtype)
     rows, lps = loops(res.pop("sass"))
     print(f"H{a.heads} k{a.topk} {a.config} {a.kernel or 'checkout'}{' floor' if a.floor else ''}: "
           f"{len(rows)} instrs, {res['registers']} regs, stack {res['stack']} B, "

@@ -122,8 +122,9 @@ class Config:
     # (vote.sync) and popc, no shuffle; the tile loop carries the next free slots repeated per key. Same slots, so
     # the same selection; the two compiles may round the fp32 head sum differently (session 24, H 16 4 rows, bf16
     # head weights: scores differ by <= 2 ulp in most rows and one near-tie at a row's k-th key swapped; with fp32
-    # weights, the GPU tests' other inputs, bit-identical): both are the reference's sets up to such near-ties (tests
-    # test_hytopk_ballot.py). Used where the launch allows it (append "warps", block_n 64, 4 or 8 rows per
+    # weights, the GPU tests' other inputs, bit-identical; the sm_90a compiles start a head-sum chain with different
+    # heads' products rounded, FMUL vs fused into the first FFMA: session 25, bench/aot_sass.py): both are the
+    # reference's sets up to such near-ties (tests test_hytopk_ballot.py). Used where the launch allows it (append "warps", block_n 64, 4 or 8 rows per
     # tile, i.e. rows_x_heads / H_I = 4 or 8 (8: four ballots per warp), num_warps 4, lane_rows; elsewhere ignored
     # with an info log line, as lane_rows is) and
     # where Triton laid the candidate tile out as the lane arithmetic assumes: checked on the compiled kernel at its
