@@ -54,8 +54,8 @@ def compile_sass(heads: int, topk: int, overrides: dict, kernel_path: str | None
                                  ieee=False, interp=False, lazy_max=floor, profile=profile)
     const = {c: v for c, v in const.items() if c in names}  # an older kernel file lacks newer constexprs
     sig = dict(q_ptr="*bf16", w_ptr=f"*{w_dtype}", k_ptr="*bf16", starts_ptr="*i32", ends_ptr="*i32",
-               out_idx_ptr="*i32", out_val_ptr="*fp32", buf_key_ptr="*i32", buf_idx_ptr="*i32", stats_ptr="*i32", prof_ptr="*i64",
-               T="i32", S="i32", kk="i32", n_blocks="i32", n_p="i32")
+               out_idx_ptr="*i32", out_val_ptr="*fp32", buf_key_ptr="*i32", buf_idx_ptr="*i32", stats_ptr="*i32",
+               prof_ptr="*i64", T="i32", S="i32", kk="i32", n_blocks="i32", n_p="i32")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
     if "k_desc" in names:  # Config.k_tma: a host-side tensor descriptor of k; otherwise the None default
         if const.get("K_TMA"):
