@@ -126,8 +126,9 @@ class Config:
     # heads' products rounded, FMUL vs fused into the first FFMA: session 25, bench/aot_sass.py): both are the
     # reference's sets up to such near-ties (tests test_hytopk_ballot.py). Used where the launch allows it (append
     # "warps", block_n 64, 4 or 8 rows per tile, i.e. rows_x_heads / H_I = 4 or 8 (8: four ballots per warp),
-    # num_warps 4, lane_rows; elsewhere ignored with an info log line, as lane_rows is) and where Triton laid the candidate tile out as the lane arithmetic assumes: checked on the compiled kernel at its
-    # first launch (a clear error otherwise; the interpreter runs the same arithmetic on a model of that layout).
+    # num_warps 4, lane_rows; elsewhere ignored with an info log line, as lane_rows is) and where Triton laid the
+    # candidate tile out as the lane arithmetic assumes: checked on the compiled kernel at its first launch (a clear
+    # error otherwise; the interpreter runs the same arithmetic on a model of that layout).
     # default_config picks "ballot" for 4-row tiles (H 8..64) on the GPU: H200, 64K causal, 7 interleaved rounds
     # (session 16, bench/topk.py --ab-rounds 7): H 64 68.95 -> 68.16 ms (x floor 1.213 -> 1.199), H 32 42.51 -> 42.39;
     # if the layout check fails there, it logs a warning, re-runs the call with "sum" and stays on "sum".
