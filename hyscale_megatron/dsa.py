@@ -22,7 +22,7 @@ from hyscale_patches import checkpoint_hooks, dsa_dispatch
 
 from . import indexer_recompute, replay, selection
 from ._log import log_once
-from .config import HyScaleConfig
+from .config import HyScaleConfig, HyScaleConfigError
 
 # The sparse attention backward writes dq over the layer's query (kernels/sparse_mla: fused path, N <= 16
 # heads): exact (tests/test_dq_over_query.py: bit-identical gradients), one [T, N, 576] buffer less at
@@ -85,9 +85,10 @@ class _Compute:
         self._attn = None  # (indices, latent outputs per batch, lse per batch) computed early for the loss
         self.q_recipe = None  # set by indexer_recompute while the indexer runs (sparse loss recomputes q)
         self.query_kept = False  # something else saved the query for its backward: no dq written over it
+        self.in_stock_loss = False  # stock's own indexer loss is running (a layout our loss kernels do not take)
 
     def _kernels(self, impl: str, t: torch.Tensor) -> bool:
-        return impl == "triton" or (impl == "auto" and t.is_cuda)
+        return impl == "triton" or (impl == "auto" and t.is_cuda and self.layer.attn_kernels_ok)
 
     @staticmethod
     def _same(a, b) -> bool:
@@ -100,10 +101,19 @@ class _Compute:
     # --- selection -----------------------------------------------------------------------
     def qk_topk(self, q, k, weights, index_topk, mask=None, varlen_starts=None, varlen_ends=None,
                 key_positions=None, use_relu=True):
-        """Replaces ``dsa.fused_qk_topk_naive``; returns (None, int32 [b, sq, min(topk, sk)])."""
+        """Replaces ``dsa.fused_qk_topk_naive``; returns (None, int32 [b, sq, min(topk, sk)]).
+
+        Inside stock's own indexer loss (``in_stock_loss``) it answers as stock does: stock's fp32 score
+        table [b, sq, sk] (the loss reads it) and int64 indices -- ours, so that replay and IndexShare see
+        the same selection as on every other path."""
         with torch.no_grad():
-            return None, self._select_or_replay(q.detach(), k.detach(), weights.detach(), index_topk, mask,
-                                                varlen_starts, varlen_ends, key_positions, use_relu)
+            idx = self._select_or_replay(q.detach(), k.detach(), weights.detach(), index_topk, mask,
+                                         varlen_starts, varlen_ends, key_positions, use_relu)
+            if not self.in_stock_loss:
+                return None, idx
+            scores, _ = dsa_dispatch.original("qk_topk")(q, k, weights, index_topk, mask, varlen_starts,
+                                                           varlen_ends, key_positions, use_relu)
+            return scores, idx.long()
 
     def _select_or_replay(self, q, k, w, index_topk, mask, varlen_starts, varlen_ends, key_positions, use_relu):
         """Selection with replay: the recompute reads the forward's indices instead of selecting."""
@@ -156,10 +166,14 @@ class _Compute:
         needs_stock = not shared_kv or (not sparse_loss and (mask is not None or key_positions is not None))
         if needs_stock:
             log_once("loss-stock", "hyscale: indexer loss for this layout (non-absorbed key or explicit mask in "
-                     "the dense stage) uses stock's dense reference path")
-            return dsa_dispatch.original("indexer_loss")(
-                q, weights, k, query, key, softmax_scale, topk, loss_coeff, mask, sparse_loss, pg_collection,
-                varlen_starts, varlen_ends, key_positions, query_valid_rows, calculate_per_token_loss, use_relu)
+                     "the dense stage) uses stock's dense reference path, with HyScale's selection")
+            self.in_stock_loss = True
+            try:
+                return dsa_dispatch.original("indexer_loss")(
+                    q, weights, k, query, key, softmax_scale, topk, loss_coeff, mask, sparse_loss, pg_collection,
+                    varlen_starts, varlen_ends, key_positions, query_valid_rows, calculate_per_token_loss, use_relu)
+            finally:
+                self.in_stock_loss = False
         with torch.no_grad():
             idx = self._select_or_replay(q.detach(), k.detach(), weights.detach(), topk, mask, varlen_starts,
                                          varlen_ends, key_positions, use_relu)
@@ -382,9 +396,36 @@ class HyScaleDSAttention(stock_dsa.DSAttention):
                 if stock_dsa.is_dsa_skip_topk_layer(s, self.index_skip_topk_offset, self.index_topk_freq)
                 and stock_dsa.source_dsa_compute_layer(s, self.index_skip_topk_offset, self.index_topk_freq)
                 == self.layer_number)
+        self._check_kernel_shapes()
         dsa_dispatch.apply()
         checkpoint_hooks.apply()
         indexer_recompute.install(self.indexer)
+
+    def _check_kernel_shapes(self) -> None:
+        """Shapes the kernels cannot take (stock takes any): refused here when 'triton' was asked for; with
+        'auto' that part of the layer runs its chunked reference (one log line). HyTopK: index heads, head
+        dim and top-k (``selection.hytopk_unsupported``); sparse attention and indexer loss: top-k <= 2048."""
+        self.attn_kernels_ok = int(self.index_topk) <= selection.HYTOPK_MAX_TOPK
+        if not self.attn_kernels_ok:
+            why = f"dsa_indexer_topk={self.index_topk} (the sparse attention kernel reads at most " \
+                  f"{selection.HYTOPK_MAX_TOPK} keys per row)"
+            if self.hyscale.attn_impl == "triton":
+                raise HyScaleConfigError(f"HyScaleConfig.attn_impl='triton' cannot run {why}; use attn_impl='auto' "
+                                         "(the chunked reference for this shape) or a smaller top-k")
+            log_once("attn-shape-layer", "hyscale: %s: sparse attention and indexer loss use the chunked PyTorch "
+                     "reference", why)
+        if self.skip_topk or not self.hyscale.enabled:
+            return
+        why = selection.hytopk_unsupported(int(self.config.dsa_indexer_n_heads),
+                                           int(self.config.dsa_indexer_head_dim), int(self.index_topk))
+        if why is None:
+            return
+        if self.hyscale.topk_impl == "triton":
+            raise HyScaleConfigError(f"HyScaleConfig.topk_impl='triton' cannot run {why}; use topk_impl='auto' "
+                                     "(the chunked reference for this shape) or change the indexer shape")
+        if self.hyscale.topk_impl == "auto":
+            log_once("topk-shape-layer", "hyscale: %s: this layer's top-k uses the chunked PyTorch reference "
+                     "(index head dim, head count or top-k outside HyTopK's range)", why)
 
     def _microbatch(self):
         """(microbatch key, is_recompute, will_recompute) of the current forward."""

@@ -23,9 +23,30 @@ def _hytopk_kernel():
     return hytopk
 
 
+HYTOPK_MAX_TOPK = 2048
+
+
+def hytopk_unsupported(n_heads: int, head_dim: int, topk: int) -> Optional[str]:
+    """Why HyTopK cannot take this indexer shape (None if it can): it needs a power-of-two index head
+    count <= 128, an index head dim that is a multiple of 16 in [16, 256] and top-k <= 2048."""
+    if not (1 <= n_heads <= 128 and n_heads & (n_heads - 1) == 0):
+        return f"dsa_indexer_n_heads={n_heads} (HyTopK needs a power of two <= 128)"
+    if not (head_dim % 16 == 0 and 16 <= head_dim <= 256):
+        return f"dsa_indexer_head_dim={head_dim} (HyTopK needs a multiple of 16 in [16, 256])"
+    if topk > HYTOPK_MAX_TOPK:
+        return f"dsa_indexer_topk={topk} (HyTopK keeps at most {HYTOPK_MAX_TOPK} per row)"
+    return None
+
+
 def select_rows(q, w, k, starts, ends, topk: int, relu: bool, impl: str) -> torch.Tensor:
     """One sequence: q [T, H, D], w [T, H], k [S, D], int32 bounds [T] -> int32 [T, topk]."""
     use_kernel = impl == "triton" or (impl == "auto" and q.is_cuda)
+    if use_kernel and impl == "auto":
+        why = hytopk_unsupported(q.shape[1], q.shape[2], topk)
+        if why is not None:
+            log_once("topk-shape", "hyscale: %s: top-k uses the chunked PyTorch reference (index head dim, head "
+                     "count or top-k outside the kernel's range)", why)
+            use_kernel = False
     if use_kernel:
         fn = _hytopk_kernel()
         if fn is None:

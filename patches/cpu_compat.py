@@ -3,7 +3,7 @@
 Applied only when ``torch.cuda.is_available()`` is False. Stock calls
 ``torch.cuda.current_device()`` as a device (rotary embeddings, the indexer-loss tracker) and
 saves/restores the CUDA RNG around checkpointed regions; on CPU those become the CPU device and
-the CPU RNG. The pipeline schedules create a token counter with ``device="cuda"``; inside that
+the CPU RNG. Context-parallel RoPE picks its position chunks with a CUDA index. The pipeline schedules create a token counter with ``device="cuda"``; inside that
 module only, such factories create CPU tensors. Nothing changes on a GPU machine.
 """
 
@@ -42,6 +42,21 @@ def _set_rng(_orig):
     return _set_all_rng_states
 
 
+def _cp_pos_emb(_orig):
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        """Stock's zigzag pick of this CP rank's two position chunks, indexed on pos_emb's device (stock
+        builds the index in pinned memory and moves it to CUDA)."""
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+        picked = chunks.index_select(seq_dim, idx)
+        return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2:])
+
+    return get_pos_emb_on_this_cp_rank
+
+
 class _CpuTorchProxy:
     """``torch`` as seen by the pipeline schedules: ``device="cuda"`` tensor factories land on CPU."""
 
@@ -70,6 +85,10 @@ PATCHES = [
     Patch("cpu-current-device", "torch.cuda", "current_device", _current_device),
     Patch("cpu-rng-get", RANDOM, "_get_all_rng_states", _get_rng),
     Patch("cpu-rng-set", RANDOM, "_set_all_rng_states", _set_rng),
+    Patch("cpu-cp-rope", "megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank",
+          _cp_pos_emb),
+    Patch("cpu-cp-yarn", "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+          "get_pos_emb_on_this_cp_rank", _cp_pos_emb),
     Patch("cpu-schedules-device", "megatron.core.pipeline_parallel.schedules", "torch", _schedules_torch),
 ]
 
