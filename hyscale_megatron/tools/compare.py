@@ -2,7 +2,7 @@
 
 Usage::
 
-    hyscale-compare --out runs/tiny_cpu @configs/tiny_cpu.args --train-iters 10
+    hyscale-compare --out runs/tiny_cpu --iters 10 @configs/tiny_cpu.args
     hyscale-compare --out runs/v32 --launcher "torchrun --nproc-per-node 1" @configs/deepseek_v32_1gpu.args
     hyscale-compare --out runs/v32 --summarize-only      # rebuild the outputs of a run that was cut short
     hyscale-compare --out runs/v32 --noise-ref none --require-parity @configs/deepseek_v32_1gpu.args  # bf16 bound
@@ -20,15 +20,21 @@ and ``tilelang`` imports, else its default PyTorch path (``none``); ``--stock-ba
 The backend flag is passed to both runs (HyScale replaces selection, sparse attention and the
 indexer loss itself; anything it does not replace runs the same stock code in both runs).
 
-Runs are separate subprocesses (``python -m hyscale_megatron.train`` or ``--launcher``), stock
+Before anything runs, every run's flags are parsed by Megatron's parser with HyScale's flags
+(unknown flags, bad values, a missing iteration count): a bad command is answered with one line
+and exit code 2, and nothing is written. A top-k not smaller than the sequence is noted once.
+
+Runs are separate subprocesses (``python -m hyscale_megatron.tools.train`` or ``--launcher``), stock
 first, so each has a clean process (and its own peak memory). Their per-iteration log lines are
 echoed as they come; full logs go to ``OUT/stock.log`` and ``OUT/hyscale.log`` (and ``OUT/stock_ref.log``).
+A run that fails ends the command with its log's last lines and exit code 1.
 
 Writes into ``--out``: ``iterations.csv`` (run, iteration, lm_loss, indexer_loss, step_ms,
-tokens_per_s, peak_mem_bytes, replay_store_bytes), ``summary.md`` (median step time, speedup,
-tokens/s, peak memory, max relative LM / indexer loss difference), ``summary.json``,
-``comparison.png`` (loss curves overlaid; step-time and memory bars) and the two logs. ``meta.json``
-(config, device, versions, stock backend, date) is written before the runs start.
+tokens_per_s, peak_mem_bytes, replay_store_bytes), ``summary.md`` (on GPU led by the speedup; on
+CPU by the loss agreement, its timings marked as not meaningful), ``summary.json``,
+``comparison.png`` (loss curves overlaid; step-time and memory bars) and the logs. ``meta.json``
+(the command as typed, the training flags both runs share, device, versions, stock backend, date)
+is written before the runs start; summary.md and the plot show its command and flags.
 
 Loss parity in bf16 (``--noise-ref BACKEND``, one of none/tilelang/cudnn, different from the stock backend).
 Two correct bf16 implementations of the same function diverge chaotically after a few (~10) steps, so
@@ -50,10 +56,11 @@ the windowed metric of HyScale vs stock is still in ``summary.json`` (``max_rel_
 ``--summarize-only`` trains nothing: it rebuilds ``iterations.csv``, ``summary.md``/``.json`` and
 ``comparison.png`` from ``OUT/stock.jsonl``, ``OUT/hyscale.jsonl`` and ``OUT/meta.json`` (e.g. after an
 outer timeout killed the command once both runs had finished), plus ``OUT/stock_ref.jsonl`` when present
-(unless ``meta.json`` records ``"noise_ref": null``, i.e. it is left from an earlier comparison; its backend
-is read from ``meta.json``'s ``noise_ref``). Wall times are then unknown (``null``);
+(unless ``meta.json`` records ``"noise_ref": null``: then that file belongs to another comparison; its
+backend is read from ``meta.json``'s ``noise_ref``). Wall times are then unknown (``null``);
 runs with different iteration counts are cut to the shorter one (with a note). Shared flags, when
-given, are still checked like for like; ``--max-loss-rtol`` applies.
+given, are still checked like for like; ``--max-loss-rtol`` applies. ``--runs`` trains a subset of the
+runs now and summarizes once every run's metrics file is in ``--out`` (a comparison split over calls).
 
 Refuses (exit code 2, before running anything) comparisons that would not be like for like:
 ``--no-hyscale``/``--hyscale``/``--spec``/``--hyscale-run-name``/``--hyscale-metrics-file``
@@ -70,75 +77,60 @@ import argparse
 import csv
 import json
 import math
-import os
-import shlex
-import statistics
-import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .train import HYSCALE_SPEC, SPEC_MODULE, STOCK_SPEC, TrainConfigError, expand_arg_files
+from .common import (RUNS, BACKENDS, CPU_TIMING_NOTE, OneLineParser, RunFailed, UsageError, add_run_options,
+                     check_like_for_like, check_out_dir, check_run_flags, csv_value, expand_arg_files,
+                     launch_prefix, positive_float, positive_int, read_metrics, run_flags, run_meta, run_process,
+                     split_flags, steady_medians, stock_backend, tool_main)
 
-RUNS = ("stock", "hyscale")
+PROG = "hyscale-compare"
 # the optional bf16-noise reference run (--noise-ref): stock again, with another stock DSA kernel backend
 REF_RUN = "stock_ref"
 ALL_RUNS = (*RUNS, REF_RUN)
-BACKENDS = ("none", "tilelang", "cudnn")
 # a per-iteration relative LM-loss difference above this marks the first divergent iteration
 DIVERGENCE_RTOL = 1e-2
+# fp32 runs that select the same top-k sets give LM losses this close (relative): "same losses"
+SAME_LOSS_RTOL = 1e-4
 DEFAULT_NOISE_SLACK = 1.5
 CSV_FIELDS = ("run", "iteration", "lm_loss", "indexer_loss", "step_ms", "tokens_per_s", "peak_mem_bytes",
               "replay_store_bytes")
-# flags the command sets itself (per run) and therefore refuses among the shared flags
-OWNED_FLAGS = ("--hyscale", "--no-hyscale", "--spec", "--hyscale-run-name", "--hyscale-metrics-file",
-               "--dsa-kernel-backend")
-
-
-_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-             "TORCHELASTIC_RUN_ID")
-
-
-class CompareRefused(ValueError):
-    """The requested comparison would not be like for like; the message says why."""
+# keys of meta.json; a hand-written one may leave some out ("unknown")
+META_KEYS = ("config", "device", "device_name", "torch", "megatron", "stock_backend", "date")
 
 
 # ----------------------------------------------------------------------------- options
-def _positive_float(text: str) -> float:
+def _nonnegative_float(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
         v = float("nan")
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return v
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hyscale-compare", allow_abbrev=False,
+    p = OneLineParser(
+        prog=PROG, allow_abbrev=False,
         description="Train stock DSA and HyScale back to back on one config; write CSV, summary and plot. "
                     "Unknown arguments are hyscale-train / Megatron flags shared by both runs "
                     "(e.g. @configs/tiny_cpu.args).")
-    p.add_argument("--out", default="runs/compare", help="Output directory (default runs/compare).")
-    p.add_argument("--iters", type=int, default=None, help="Iterations per run (sets --train-iters for both).")
-    p.add_argument("--stock-backend", choices=("auto", "none", "tilelang", "cudnn"), default="auto",
-                   help="Stock DSA kernel backend (--dsa-kernel-backend); auto: tilelang on CUDA when "
-                        "importable, else none.")
-    p.add_argument("--hyscale-args", default="",
-                   help="Extra flags for the HyScale run only; only --hyscale-* flags are allowed.")
-    p.add_argument("--launcher", default="",
-                   help="Command prefix for each run, e.g. 'torchrun --nproc-per-node 8'. Default: this Python.")
-    p.add_argument("--core-loop", action="store_true", help="Pass --hyscale-core-loop to both runs.")
-    p.add_argument("--max-loss-rtol", type=float, default=None,
+    add_run_options(p, "runs/compare")
+    p.add_argument("--iters", type=positive_int, default=None,
+                   help="Iterations per run (sets --train-iters for both).")
+    p.add_argument("--max-loss-rtol", type=_nonnegative_float, default=None,
                    help="Fail (exit 3) when the max relative LM-loss difference exceeds this.")
     p.add_argument("--noise-ref", choices=BACKENDS, default=None, metavar="BACKEND",
                    help="Also run stock a third time (run stock_ref, after stock and HyScale) with this "
                         "--dsa-kernel-backend ({%s}; must differ from the stock backend): its divergence from "
                         "stock measures the bf16 noise floor that HyScale's divergence is judged against."
                         % ",".join(BACKENDS))
-    p.add_argument("--noise-slack", type=_positive_float, default=DEFAULT_NOISE_SLACK, metavar="SLACK",
+    p.add_argument("--noise-slack", type=positive_float, default=DEFAULT_NOISE_SLACK, metavar="SLACK",
                    help="HyScale is within bf16 noise when its windowed LM-loss divergence from stock is <= "
                         "SLACK x the reference run's (default %g)." % DEFAULT_NOISE_SLACK)
     p.add_argument("--require-parity", action="store_true",
@@ -146,180 +138,62 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", default=None, metavar="LIST",
                    help="Train only these runs now (comma-separated of stock, hyscale and, with --noise-ref, "
                         "stock_ref; default: all), then summarize from every run's metrics file in --out when "
-                        "all are there: splits one comparison over several sessions (e.g. a slow noise "
-                        "reference in its own device call).")
+                        "all are there: splits one comparison over several calls (e.g. a slow noise "
+                        "reference on its own).")
     p.add_argument("--summarize-only", action="store_true",
                    help="Do not train: rebuild iterations.csv, summary.md/json and comparison.png from "
                         "OUT/stock.jsonl, OUT/hyscale.jsonl and OUT/meta.json (e.g. after a run was cut short).")
     return p
 
 
-def _flag_present(argv: Sequence[str], flag: str) -> bool:
-    return any(t == flag or t.startswith(flag + "=") for t in argv)
-
-
-def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
-    val = None
-    for i, t in enumerate(argv):
-        if t == flag and i + 1 < len(argv):
-            val = argv[i + 1]
-        elif t.startswith(flag + "="):
-            val = t.split("=", 1)[1]
-    return val
-
-
-def _flags(argv: Sequence[str]) -> list[str]:
-    return [t.split("=", 1)[0] for t in argv if t.startswith("--")]
-
-
-def check_like_for_like(shared: Sequence[str], hyscale_only: Sequence[str] = ()) -> None:
-    """Raise :class:`CompareRefused` when the two runs would not compare like for like."""
-    for flag in OWNED_FLAGS:
-        if _flag_present(shared, flag):
-            why = {
-                "--no-hyscale": "a comparison needs HyScale in one of the two runs",
-                "--hyscale": "the command sets --hyscale / --no-hyscale per run",
-                "--spec": "the command chooses the layer spec of each run (stock_block_spec vs hyscale_block_spec)",
-                "--dsa-kernel-backend": "the stock backend is chosen with --stock-backend",
-            }.get(flag, "the command sets it per run")
-            raise CompareRefused(f"refusing {flag} among the shared training flags: {why}.")
-    for flag in _flags(hyscale_only):
-        if not flag.startswith("--hyscale-") and not flag.startswith("--no-hyscale-"):
-            raise CompareRefused(
-                f"refusing {flag} in --hyscale-args: per-run flags may only be HyScale settings (--hyscale-*); "
-                "seeds, data, model, parallel layout and recompute must be the same for both runs -- give them "
-                "as shared flags.")
-        if flag in ("--hyscale-run-name", "--hyscale-metrics-file", "--hyscale-core-loop"):
-            raise CompareRefused(f"refusing {flag} in --hyscale-args: the command sets it.")
-    if _flag_value(shared, "--experimental-attention-variant") != "dsa":
-        raise CompareRefused(
-            "refusing a model without DSA layers: stock vs HyScale compares DeepSeek Sparse Attention; "
-            "add --experimental-attention-variant dsa (and the --dsa-indexer-* flags), e.g. @configs/tiny_cpu.args.")
-    if not _flag_present(shared, "--multi-latent-attention"):
-        raise CompareRefused("refusing a model without --multi-latent-attention: DSA layers are MLA layers.")
-    for flag in ("--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk"):
-        if not _flag_present(shared, flag):
-            raise CompareRefused(f"refusing: DSA model flag {flag} is missing.")
-
-
-def stock_backend(choice: str) -> str:
-    if choice != "auto":
-        return choice
-    try:
-        import torch  # noqa: PLC0415
-
-        if not torch.cuda.is_available():
-            return "none"
-        import tilelang  # noqa: F401, PLC0415
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return "none"
-    return "tilelang"
-
-
 def check_noise_ref(opts) -> None:
-    """Raise :class:`CompareRefused` for a ``--noise-ref`` that cannot measure anything (or ``--require-parity``
+    """Raise :class:`UsageError` for a ``--noise-ref`` that cannot measure anything (or ``--require-parity``
     without one)."""
-    ref = getattr(opts, "noise_ref", None)
+    ref = opts.noise_ref
     if ref is not None:
         main_backend = stock_backend(opts.stock_backend)
         if ref == main_backend:
-            raise CompareRefused(
+            raise UsageError(
                 f"refusing --noise-ref {ref}: the stock run already uses --dsa-kernel-backend {main_backend}"
                 + (" (--stock-backend auto)" if opts.stock_backend == "auto" else "")
                 + "; the reference run must be stock with a DIFFERENT backend (same function, different rounding) "
                   f"to measure bf16 noise -- choose one of {', '.join(b for b in BACKENDS if b != main_backend)}.")
-    elif getattr(opts, "require_parity", False):
-        raise CompareRefused("refusing --require-parity without --noise-ref: the bf16-noise bound is measured by "
-                             "the reference run (e.g. --noise-ref none when stock runs tilelang).")
+    elif opts.require_parity:
+        raise UsageError("refusing --require-parity without --noise-ref: the bf16-noise bound is measured by "
+                         "the reference run (e.g. --noise-ref none when stock runs tilelang).")
+
+
+def _chosen_runs(opts) -> list[str]:
+    """The runs of this call, in run order (stock, hyscale[, stock_ref]); ``--runs`` picks a subset."""
+    runs = [*RUNS, *([REF_RUN] if opts.noise_ref else [])]
+    if opts.runs is None:
+        return runs
+    chosen = [r.strip() for r in opts.runs.split(",") if r.strip()]
+    bad = [r for r in chosen if r not in runs]
+    if not chosen or bad:
+        raise UsageError(f"--runs {opts.runs!r}: choose from {', '.join(runs)}"
+                         + (" (stock_ref needs --noise-ref BACKEND)" if REF_RUN in bad else ""))
+    return [r for r in runs if r in chosen]
 
 
 def run_commands(opts, shared: list[str], out: Path) -> dict[str, list[str]]:
-    """The command line of each run: ``stock`` and ``hyscale``, plus ``stock_ref`` with ``--noise-ref``
-    (the stock command line with the reference backend, its own run name and metrics file)."""
-    launcher = shlex.split(opts.launcher) if opts.launcher else [sys.executable]
-    base = [*launcher, "-m", "hyscale_megatron.train"]  # python -m / torchrun -m
-    extra = []
-    if opts.iters is not None:
-        extra += ["--train-iters", str(opts.iters)]
-    if opts.core_loop:
-        extra.append("--hyscale-core-loop")
-
-    def common(backend: str) -> list[str]:
-        return [*shared, "--dsa-kernel-backend", backend, *extra]
-
-    def stock_cmd(name: str, backend: str) -> list[str]:
-        return [*base, *common(backend), "--spec", SPEC_MODULE, STOCK_SPEC, "--no-hyscale",
-                "--hyscale-run-name", name, "--hyscale-metrics-file", str(out / f"{name}.jsonl")]
-
-    backend = stock_backend(opts.stock_backend)
-    cmds = {
-        "stock": stock_cmd("stock", backend),
-        "hyscale": [*base, *common(backend), "--spec", SPEC_MODULE, HYSCALE_SPEC, "--hyscale",
-                    *shlex.split(opts.hyscale_args),
-                    "--hyscale-run-name", "hyscale", "--hyscale-metrics-file", str(out / "hyscale.jsonl")],
-    }
-    ref = getattr(opts, "noise_ref", None)  # hyscale-longest's options have none
-    if ref is not None:
-        cmds[REF_RUN] = stock_cmd(REF_RUN, ref)
-    return cmds
+    """The command line of each run: ``stock`` and ``hyscale``, plus ``stock_ref`` with ``--noise-ref``."""
+    prefix = launch_prefix(opts.launcher)
+    return {run: [*prefix, *flags] for run, flags in run_flags(opts, shared, out, opts.iters, opts.noise_ref).items()}
 
 
 # ----------------------------------------------------------------------------- running
-def _is_progress(line: str) -> bool:
-    return (" iteration " in line and "|" in line) or line.startswith("> hyscale-train") or "Error" in line \
-        or line.startswith("Traceback")
-
-
-def run_process(name: str, cmd: list[str], out: Path, prog: str = "hyscale-compare") -> tuple[int, float, list[str]]:
-    """Run one training subprocess, echoing its progress lines, its full log in ``OUT/NAME.log``
-    (``OUT/NAME.jsonl``, its metrics file, removed first); returns (exit code, wall seconds, last log lines)."""
-    log_path = out / f"{name}.log"
-    metrics = out / f"{name}.jsonl"
-    if metrics.exists():
-        metrics.unlink()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for key in _DIST_ENV:  # a fresh rendezvous per run; never reuse the caller's process-group port
-        env.pop(key, None)
-    print(f"[{prog}] {name}: {shlex.join(cmd)}", flush=True)
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
-        tail: list[str] = []
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            tail = (tail + [line])[-40:]
-            if _is_progress(line):
-                print(f"[{name}] {line.rstrip()}", flush=True)
-        rc = proc.wait()
-    return rc, time.perf_counter() - t0, tail
-
-
 def run_one(name: str, cmd: list[str], out: Path) -> float:
     """Run one training subprocess, echoing its progress lines; returns wall seconds."""
-    rc, wall, tail = run_process(name, cmd, out)
+    rc, wall, tail = run_process(name, cmd, out, PROG)
     if rc != 0:
         sys.stderr.write("".join(tail))
-        raise RuntimeError(f"the {name} run failed with exit code {rc}; full log: {out / f'{name}.log'}")
-    print(f"[hyscale-compare] {name}: done in {wall:.1f} s", flush=True)
+        raise RunFailed(f"the {name} run failed with exit code {rc}; full log: {out / f'{name}.log'}")
+    print(f"[{PROG}] {name}: done in {wall:.1f} s", flush=True)
     return wall
 
 
-def read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        raise RuntimeError(f"{path} was not written: did the run reach its first iteration?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 # ----------------------------------------------------------------------------- outputs
-def _fmt(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else str(v)
-    return str(v)
-
-
 def write_csv(path: Path, records: dict[str, list[dict]]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -329,7 +203,7 @@ def write_csv(path: Path, records: dict[str, list[dict]]) -> None:
                 row = {**rec, "run": run}
                 if row.get("replay_store_bytes") is None and run != "hyscale":  # stock keeps no replay store
                     row["replay_store_bytes"] = 0
-                w.writerow([_fmt(row.get(k)) for k in CSV_FIELDS])
+                w.writerow([csv_value(row.get(k)) for k in CSV_FIELDS])
 
 
 def _rel(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -372,6 +246,7 @@ def divergence(run: list[dict], ref: list[dict]) -> dict:
         iterations=n,
         window=loss_window(n),
         max_rel_lm_loss_diff=_max(lm),
+        max_abs_lm_loss_diff=_max([abs(run[i]["lm_loss"] - ref[i]["lm_loss"]) for i in range(n)]),
         max_rel_indexer_loss_diff=_max([_rel(a, b) for a, b in idx_pairs]),
         max_rel_windowed_lm_diff=max_windowed_rel([r["lm_loss"] for r in run[:n]], [r["lm_loss"] for r in ref[:n]]),
         max_rel_windowed_indexer_diff=max_windowed_rel([a for a, _ in idx_pairs], [b for _, b in idx_pairs]),
@@ -396,23 +271,17 @@ def summarize(records: dict[str, list[dict]], walls: dict[str, Optional[float]],
     s: dict = {"meta": meta, "runs": {}}
     for run in (r for r in ALL_RUNS if records.get(r)):
         recs = records[run]
-        steady = recs[1:] if len(recs) > 1 else recs  # first iteration is warm-up
+        st = steady_medians(recs)
         s["runs"][run] = dict(
-            iterations=len(recs),
-            median_step_ms=statistics.median(r["step_ms"] for r in steady),
-            median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
-            peak_mem_bytes=max(r["peak_mem_bytes"] for r in recs),
-            replay_store_peak_bytes=max((r.get("replay_store_bytes") or 0) for r in recs),
-            final_lm_loss=recs[-1]["lm_loss"],
-            wall_s=walls.get(run),
-        )
+            iterations=st["iterations"], median_step_ms=st["median_step_ms"],
+            median_tokens_per_s=st["median_tokens_per_s"], peak_mem_bytes=st["peak_mem_bytes"],
+            replay_store_peak_bytes=st["replay_store_bytes"], final_lm_loss=recs[-1]["lm_loss"],
+            wall_s=walls.get(run))
     hs_div = divergence(records["hyscale"], records["stock"])
-    s["max_rel_lm_loss_diff"] = hs_div["max_rel_lm_loss_diff"]
-    s["max_rel_indexer_loss_diff"] = hs_div["max_rel_indexer_loss_diff"]
+    for key in ("max_rel_lm_loss_diff", "max_abs_lm_loss_diff", "max_rel_indexer_loss_diff",
+                "max_rel_windowed_lm_diff", "max_rel_windowed_indexer_diff", "first_divergence_iter"):
+        s[key] = hs_div[key]
     s["loss_window"] = hs_div["window"]
-    s["max_rel_windowed_lm_diff"] = hs_div["max_rel_windowed_lm_diff"]
-    s["max_rel_windowed_indexer_diff"] = hs_div["max_rel_windowed_indexer_diff"]
-    s["first_divergence_iter"] = hs_div["first_divergence_iter"]
     if records.get(REF_RUN):
         ref_div = divergence(records[REF_RUN], records["stock"])
         s["noise_ref"] = dict(run=REF_RUN, backend=meta.get("noise_ref") or "unknown",
@@ -420,60 +289,73 @@ def summarize(records: dict[str, list[dict]], walls: dict[str, Optional[float]],
         # the third side of the triangle: information only (the verdict compares the two pairs above)
         hs_ref_div = divergence(records["hyscale"], records[REF_RUN])
         s["parity"] = dict(hyscale_vs_stock=hs_div, stock_ref_vs_stock=ref_div, hyscale_vs_stock_ref=hs_ref_div,
-                           window=hs_div["window"],
-                           divergence_rtol=DIVERGENCE_RTOL,
+                           window=hs_div["window"], divergence_rtol=DIVERGENCE_RTOL,
                            **parity_verdict(hs_div, ref_div, noise_slack))
     s["speedup"] = s["runs"]["stock"]["median_step_ms"] / s["runs"]["hyscale"]["median_step_ms"]
     s["memory_ratio"] = s["runs"]["hyscale"]["peak_mem_bytes"] / s["runs"]["stock"]["peak_mem_bytes"]
     return s
 
 
+def _g(v, f="{:.3g}") -> str:
+    return "n/a" if v is None else f.format(v)
+
+
+def loss_headline(s: dict) -> str:
+    """What a CPU comparison shows: whether HyScale's LM losses are stock's, with the largest difference."""
+    n = s["runs"]["stock"]["iterations"]
+    rel, diff = s["max_rel_lm_loss_diff"], s.get("max_abs_lm_loss_diff")
+    same = rel is not None and rel <= SAME_LOSS_RTOL
+    verdict = "Same losses" if same else "Different losses"
+    return (f"{verdict}: over {n} iterations the LM losses of HyScale and stock differ by at most "
+            f"{_g(diff)} (relative {_g(rel)}; same means <= {SAME_LOSS_RTOL:g} relative); indexer loss: max "
+            f"relative difference {_g(s['max_rel_indexer_loss_diff'])}.")
+
+
 def summary_markdown(s: dict) -> str:
     m = s["meta"]
     st = s["runs"]["stock"]
-    mem_kind = "peak allocated (CUDA)" if m.get("device") == "cuda" else "peak RSS of the process (CPU)"
-
-    def mib(b):
-        return f"{b / 2**20:.1f}"
-
-    def g(v, f="{:.3g}"):
-        return "n/a" if v is None else f.format(v)
-
-    lines = [
-        "# Stock DSA vs HyScale",
-        "",
-        f"- config: `{m['config']}`",
+    cuda = m.get("device") == "cuda"
+    mem_kind = "peak allocated (CUDA)" if cuda else "peak RSS of the process (CPU)"
+    lines = ["# Stock DSA vs HyScale", ""]
+    if not cuda:
+        lines += [f"**{loss_headline(s)}**", "", CPU_TIMING_NOTE, ""]
+    lines += [
+        *([f"- command: `{m['command']}`"] if m.get("command") else []),
+        f"- training flags of both runs: `{m['config']}`",
         f"- device: {m['device_name']}; torch {m['torch']}; megatron-core {m['megatron']}; {m['date']}",
         f"- stock backend: `--dsa-kernel-backend {m['stock_backend']}`; same seed, data, recompute and "
         f"layout for both runs; {st['iterations']} iterations each, run back to back (stock first)"
         + (f"; bf16-noise reference run `{REF_RUN}`: stock again with `--dsa-kernel-backend "
            f"{s['noise_ref']['backend']}` (run last)" if "noise_ref" in s else ""),
         "",
-        "| run | median step (ms) | tokens/s | peak memory (MiB) | replay store peak (bytes) | final LM loss |",
+        f"| run | median step (ms{'' if cuda else ', CPU: not meaningful'}) | tokens/s | peak memory (MiB) "
+        "| replay store peak (bytes) | final LM loss |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for run in (r for r in ALL_RUNS if r in s["runs"]):
         r = s["runs"][run]
         lines.append(f"| {run} | {r['median_step_ms']:.1f} | {r['median_tokens_per_s']:.0f} | "
-                     f"{mib(r['peak_mem_bytes'])} | {r['replay_store_peak_bytes']} | {r['final_lm_loss']:.6f} |")
+                     f"{r['peak_mem_bytes'] / 2**20:.1f} | {r['replay_store_peak_bytes']} | {r['final_lm_loss']:.6f} |")
+    lines.append("")
+    if cuda:
+        lines.append(f"- **speedup (stock / HyScale median step time): {s['speedup']:.2f}x**")
+    else:
+        lines.append(f"- step time stock / HyScale: {s['speedup']:.2f}x (CPU: not a speedup measurement)")
     lines += [
-        "",
-        f"- **speedup (stock / HyScale median step time): {s['speedup']:.2f}x**",
         f"- peak memory HyScale / stock: {s['memory_ratio']:.3f} ({mem_kind})",
-        f"- max relative LM-loss difference over all iterations: {g(s['max_rel_lm_loss_diff'])}",
-        f"- max relative indexer-loss difference: {g(s['max_rel_indexer_loss_diff'])}",
+        f"- max relative LM-loss difference over all iterations: {_g(s['max_rel_lm_loss_diff'])} "
+        f"(max |difference| {_g(s.get('max_abs_lm_loss_diff'))})",
+        f"- max relative indexer-loss difference: {_g(s['max_rel_indexer_loss_diff'])}",
         "",
         "Median step time excludes the first (warm-up) iteration. Step time covers forward, backward and "
         "optimizer step; tokens/s = global batch x sequence length / step time. Stock and HyScale compute "
-        "the same function: in fp32 the LM losses agree to ~1e-4 relative while both select the same top-k "
-        "sets (exact score ties may resolve differently); in bf16 expect bf16 noise (~1e-2).",
+        f"the same function: in fp32 the LM losses agree to ~{SAME_LOSS_RTOL:g} relative while both select the "
+        "same top-k sets (exact score ties may resolve differently); in bf16 expect bf16 noise (~1e-2).",
     ]
     if "parity" in s:
         lines += ["", *_parity_markdown(s)]
     if s.get("truncated"):
         lines += ["", f"Note: {s['truncated']['note']}"]
-    if m.get("device") != "cuda":
-        lines += ["", "CPU numbers show the mechanics, not GPU performance: HyScale's kernels are measured on the GPU."]
     return "\n".join(lines) + "\n"
 
 
@@ -514,6 +396,25 @@ def _parity_markdown(s: dict) -> list[str]:
     ]
 
 
+def plot_title(s: dict) -> str:
+    """The figure's title: what ran where, the effective command (wrapped), and the bf16-noise verdict."""
+    m = s["meta"]
+    title = [f"stock DSA ({m['stock_backend']}) vs HyScale -- {m['device_name']}",
+             *textwrap.wrap(m.get("command") or m["config"], 130)]
+    if "parity" in s:
+        par = s["parity"]
+        title.append(f"within bf16 noise: {'yes' if par['within_noise'] else 'no'} (windowed LM divergence "
+                     f"{par['hyscale_windowed_lm_diff']:.3g} vs {par['slack']:g} x reference "
+                     f"{par['reference_windowed_lm_diff']:.3g})")
+    return "\n".join(title)
+
+
+def step_panel_title(s: dict) -> str:
+    if s["meta"].get("device") == "cuda":
+        return f"median step time (ms), speedup {s['speedup']:.2f}x"
+    return "median step time (ms), CPU: not meaningful"
+
+
 def plot(path: Path, records: dict[str, list[dict]], s: dict) -> None:
     import matplotlib  # noqa: PLC0415
 
@@ -533,7 +434,7 @@ def plot(path: Path, records: dict[str, list[dict]], s: dict) -> None:
         idx = [r.get("indexer_loss") for r in records[run]]
         if any(v is not None for v in idx):
             ax[0, 1].plot(it, [float("nan") if v is None else v for v in idx], label=label, **style)
-    ax[0, 0].set(title="LM loss", xlabel="iteration")
+    ax[0, 0].set(title=f"LM loss (max |HyScale - stock| {_g(s.get('max_abs_lm_loss_diff'))})", xlabel="iteration")
     ax[0, 1].set(title="indexer loss", xlabel="iteration")
     for a in ax[0]:
         a.legend()
@@ -541,40 +442,15 @@ def plot(path: Path, records: dict[str, list[dict]], s: dict) -> None:
     st = [s["runs"][r]["median_step_ms"] for r in runs]
     b = ax[1, 0].bar(runs, st, color=[colors[r] for r in runs])
     ax[1, 0].bar_label(b, fmt="%.1f")
-    ax[1, 0].set(title=f"median step time (ms), speedup {s['speedup']:.2f}x", ylabel="ms")
+    ax[1, 0].set(title=step_panel_title(s), ylabel="ms")
     mem = [s["runs"][r]["peak_mem_bytes"] / 2**20 for r in runs]
     b = ax[1, 1].bar(runs, mem, color=[colors[r] for r in runs])
     ax[1, 1].bar_label(b, fmt="%.0f")
     ax[1, 1].set(title="peak memory (MiB)", ylabel="MiB")
-    m = s["meta"]
-    title = f"stock DSA ({m['stock_backend']}) vs HyScale -- {m['config']} -- {m['device_name']}"
-    if "parity" in s:
-        title += (f"\nwithin bf16 noise: {'yes' if s['parity']['within_noise'] else 'no'} (windowed LM divergence "
-                  f"{s['parity']['hyscale_windowed_lm_diff']:.3g} vs {s['parity']['slack']:g} x reference "
-                  f"{s['parity']['reference_windowed_lm_diff']:.3g})")
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(plot_title(s), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _meta(opts, shared: list[str], backend: str) -> dict:
-    import torch  # noqa: PLC0415
-
-    try:
-        from megatron.core.package_info import __version__ as mver  # noqa: PLC0415
-    except Exception:  # noqa: BLE001
-        mver = "unknown"
-    cuda = torch.cuda.is_available()
-    cfg = " ".join(t for t in shared if t.startswith("@")) or "(flags)"
-    meta = dict(config=cfg + (f" --train-iters {opts.iters}" if opts.iters else ""),
-                device="cuda" if cuda else "cpu",
-                device_name=torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)",
-                torch=torch.__version__, megatron=mver, stock_backend=backend,
-                date=time.strftime("%Y-%m-%d %H:%M"), argv=shared)
-    if hasattr(opts, "noise_ref"):  # hyscale-compare (not hyscale-longest): null = no reference run
-        meta["noise_ref"] = opts.noise_ref
-    return meta
 
 
 def write_outputs(out: Path, records: dict[str, list[dict]], walls: dict[str, Optional[float]], meta: dict,
@@ -587,17 +463,17 @@ def write_outputs(out: Path, records: dict[str, list[dict]], walls: dict[str, Op
     runs = [run for run in ALL_RUNS if run in RUNS or run in records]
     for run in runs:
         if not records.get(run):
-            raise RuntimeError(f"the {run} run logged no iterations")
+            raise RunFailed(f"the {run} run logged no iterations")
     n = {run: len(records[run]) for run in runs}
     truncated = None
     if len(set(n.values())) > 1:
         if not truncate:
-            raise RuntimeError(f"the runs logged different iteration counts: {n}")
+            raise RunFailed(f"the runs logged different iteration counts: {n}")
         keep = min(n.values())
         counts = ", ".join(f"{run} {n[run]}" for run in runs)
         truncated = dict(n, used=keep, note=f"the runs logged different iteration counts ({counts}); "
                                              f"{'both' if len(runs) == 2 else 'all'} cut to the first {keep}.")
-        print(f"[hyscale-compare] note: {truncated['note']}", flush=True)
+        print(f"[{PROG}] note: {truncated['note']}", flush=True)
         records = {run: records[run][:keep] for run in runs}
     write_csv(out / "iterations.csv", records)
     s = summarize(records, walls, meta, noise_slack)
@@ -609,137 +485,136 @@ def write_outputs(out: Path, records: dict[str, list[dict]], walls: dict[str, Op
     return s
 
 
-# keys of meta.json; a hand-written one may leave some out ("unknown")
-META_KEYS = ("config", "device", "device_name", "torch", "megatron", "stock_backend", "date")
-
-
 def _report(opts, out: Path, s: dict, t0: float) -> int:
     print(summary_markdown(s), flush=True)
-    print(f"[hyscale-compare] wrote {out}/iterations.csv, summary.md, comparison.png "
+    print(f"[{PROG}] wrote {out}/iterations.csv, summary.md, comparison.png "
           f"({time.perf_counter() - t0:.1f} s total)", flush=True)
     rc = 0
     if opts.max_loss_rtol is not None and (s["max_rel_lm_loss_diff"] or 0.0) > opts.max_loss_rtol:
-        print(f"hyscale-compare: max relative LM-loss difference {s['max_rel_lm_loss_diff']:.3g} exceeds "
+        print(f"{PROG}: max relative LM-loss difference {s['max_rel_lm_loss_diff']:.3g} exceeds "
               f"--max-loss-rtol {opts.max_loss_rtol}", file=sys.stderr)
         rc = 3
     if opts.require_parity and not s["parity"]["within_noise"]:
         par = s["parity"]
-        print(f"hyscale-compare: HyScale is not within bf16 noise: windowed LM-loss divergence "
+        print(f"{PROG}: HyScale is not within bf16 noise: windowed LM-loss divergence "
               f"{par['hyscale_windowed_lm_diff']:.3g} > {par['slack']:g} x the reference's "
               f"{par['reference_windowed_lm_diff']:.3g} (--require-parity)", file=sys.stderr)
         rc = 3
     return rc
 
 
-def summarize_only(opts, rest: list[str]) -> int:
-    """``--summarize-only``: rebuild the outputs in ``opts.out`` from the runs' metrics files and meta.json."""
-    if rest or opts.hyscale_args:  # flags given: they must still describe a like-for-like comparison
-        try:
-            check_like_for_like(expand_arg_files(rest), shlex.split(opts.hyscale_args))
-        except (CompareRefused, TrainConfigError) as exc:
-            print(f"hyscale-compare: {exc}", file=sys.stderr)
-            return 2
-    out = Path(opts.out)
-    meta_path = out / "meta.json"
+# ----------------------------------------------------------------------------- --summarize-only
+def _load_meta(meta_path: Path) -> dict:
     if not meta_path.is_file():
         example = json.dumps(dict(config="@configs/deepseek_v32_1gpu.args --train-iters 20", device="cuda",
                                   device_name="NVIDIA H200", stock_backend="tilelang"))
-        print(f"hyscale-compare: --summarize-only needs {meta_path}, which is missing. hyscale-compare writes it "
-              f"before the runs start; for a comparison without one, write it by hand, e.g. {example} "
-              f"(keys {', '.join(META_KEYS)}; missing ones read 'unknown').", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
+        raise UsageError(f"--summarize-only needs {meta_path}, which is missing. hyscale-compare writes it "
+                         f"before the runs start; for a comparison without one, write it by hand, e.g. {example} "
+                         f"(keys {', '.join(META_KEYS)}; missing ones read 'unknown').")
     try:
         loaded = json.loads(meta_path.read_text())
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{meta_path} must hold a JSON object")
-        meta = {**dict.fromkeys(META_KEYS, "unknown"), **loaded}
-        records = {run: read_metrics(out / f"{run}.jsonl") for run in RUNS}
-        ref_path = out / f"{REF_RUN}.jsonl"
-        if "noise_ref" in meta and meta["noise_ref"] is None and opts.noise_ref is None:
-            # meta.json says this comparison had no reference run: a stock_ref.jsonl is from an earlier one
-            if ref_path.exists():
-                print(f"[hyscale-compare] note: ignoring {ref_path}: {meta_path} records no --noise-ref for this "
-                      "comparison (give --noise-ref BACKEND to use it).", flush=True)
-        elif ref_path.exists():
-            if opts.noise_ref is not None and meta.get("noise_ref") not in (None, opts.noise_ref):
-                raise CompareRefused(f"--noise-ref {opts.noise_ref} contradicts {meta_path}, which records "
-                                     f"noise_ref {meta['noise_ref']}.")
-            meta["noise_ref"] = meta.get("noise_ref") or opts.noise_ref or "unknown"
-            if meta["noise_ref"] == meta.get("stock_backend"):
-                raise CompareRefused(f"the reference run's backend ({meta['noise_ref']}) equals the stock backend: "
-                                     "it cannot measure bf16 noise.")
-            records[REF_RUN] = read_metrics(ref_path)
-        elif opts.noise_ref is not None or opts.require_parity:
-            raise RuntimeError(f"{ref_path} (the --noise-ref run's metrics) is missing; "
-                               + ("--require-parity needs it." if opts.require_parity else "run without --noise-ref."))
-        elif meta.get("noise_ref") is not None:
-            print(f"[hyscale-compare] note: {meta_path} records --noise-ref {meta['noise_ref']} but {ref_path} is "
-                  "missing: summarizing stock vs HyScale only.", flush=True)
-        if opts.require_parity and REF_RUN not in records:
-            raise RuntimeError("--require-parity needs the reference run: give --noise-ref BACKEND with its "
-                               f"{ref_path}.")
+    except ValueError as exc:
+        raise UsageError(f"--summarize-only: {meta_path} is not JSON ({exc})") from None
+    if not isinstance(loaded, dict):
+        raise UsageError(f"--summarize-only: {meta_path} must hold a JSON object")
+    return {**dict.fromkeys(META_KEYS, "unknown"), **loaded}
+
+
+def _load_records(opts, out: Path, meta: dict) -> dict[str, list[dict]]:
+    """The runs' metrics files in ``out``; ``stock_ref`` when meta.json and ``--noise-ref`` say it belongs here."""
+    records = {run: read_metrics(out / f"{run}.jsonl") for run in RUNS}
+    ref_path, meta_path = out / f"{REF_RUN}.jsonl", out / "meta.json"
+    if "noise_ref" in meta and meta["noise_ref"] is None and opts.noise_ref is None:
+        # meta.json says this comparison had no reference run: a stock_ref.jsonl belongs to another one
+        if ref_path.exists():
+            print(f"[{PROG}] note: ignoring {ref_path}: {meta_path} records no --noise-ref for this "
+                  "comparison (give --noise-ref BACKEND to use it).", flush=True)
+    elif ref_path.exists():
+        if opts.noise_ref is not None and meta.get("noise_ref") not in (None, opts.noise_ref):
+            raise UsageError(f"--noise-ref {opts.noise_ref} contradicts {meta_path}, which records "
+                             f"noise_ref {meta['noise_ref']}.")
+        meta["noise_ref"] = meta.get("noise_ref") or opts.noise_ref or "unknown"
+        if meta["noise_ref"] == meta.get("stock_backend"):
+            raise UsageError(f"the reference run's backend ({meta['noise_ref']}) equals the stock backend: "
+                             "it cannot measure bf16 noise.")
+        records[REF_RUN] = read_metrics(ref_path)
+    elif opts.noise_ref is not None or opts.require_parity:
+        raise UsageError(f"{ref_path} (the --noise-ref run's metrics) is missing; "
+                         + ("--require-parity needs it." if opts.require_parity else "run without --noise-ref."))
+    elif meta.get("noise_ref") is not None:
+        print(f"[{PROG}] note: {meta_path} records --noise-ref {meta['noise_ref']} but {ref_path} is "
+              "missing: summarizing stock vs HyScale only.", flush=True)
+    if opts.require_parity and REF_RUN not in records:
+        raise UsageError(f"--require-parity needs the reference run: give --noise-ref BACKEND with its {ref_path}.")
+    return records
+
+
+def summarize_only(opts, rest: list[str]) -> int:
+    """``--summarize-only``: rebuild the outputs in ``opts.out`` from the runs' metrics files and meta.json."""
+    if rest or opts.hyscale_args:  # flags given: they must still describe a like-for-like comparison
+        check_like_for_like(expand_arg_files(rest), split_flags(opts.hyscale_args, "--hyscale-args"))
+    out = Path(opts.out)
+    t0 = time.perf_counter()
+    meta = _load_meta(out / "meta.json")
+    try:
+        records = _load_records(opts, out, meta)
         s = write_outputs(out, records, {}, meta, truncate=True, noise_slack=opts.noise_slack)
-    except (RuntimeError, ValueError) as exc:  # ValueError: a malformed meta.json / jsonl line, CompareRefused
-        print(f"hyscale-compare: --summarize-only: {exc}", file=sys.stderr)
-        return 2
+    except RunFailed as exc:  # a missing or malformed metrics file
+        raise UsageError(f"--summarize-only: {exc}") from None
+    return _report(opts, out, s, t0)
+
+
+# ----------------------------------------------------------------------------- entry point
+def _continue_meta(out: Path, meta: dict) -> dict:
+    """``--runs`` into an ``--out`` that holds an earlier call's meta.json: same flags required."""
+    try:
+        old = json.loads((out / "meta.json").read_text())
+    except ValueError:
+        old = {}
+    diff = [k for k in ("argv", "stock_backend", "noise_ref", "config") if old.get(k) != meta.get(k)]
+    if diff:
+        raise UsageError(f"--runs: {out}/meta.json is from a comparison with other settings "
+                         f"({', '.join(f'{k}: {old.get(k)!r} vs {meta.get(k)!r}' for k in diff)}); use a fresh "
+                         "--out or the same flags.")
+    return {**old, **meta, "command": old.get("command", meta["command"])}  # keep notes added by hand
+
+
+def _main(argv: list[str]) -> int:
+    opts, rest = _parser().parse_known_args(argv)
+    out = Path(opts.out)
+    check_out_dir(out)
+    if opts.summarize_only:
+        return summarize_only(opts, rest)
+    shared = expand_arg_files(rest)
+    check_like_for_like(shared, split_flags(opts.hyscale_args, "--hyscale-args"))
+    check_noise_ref(opts)
+    runs = _chosen_runs(opts)
+    # keep @files in the command lines: shorter, and each run expands them itself
+    flags = run_flags(opts, rest, out, opts.iters, opts.noise_ref)
+    for note in check_run_flags(flags):
+        print(f"{PROG}: note: {note}", flush=True)
+    cmds = run_commands(opts, rest, out)
+    meta = dict(run_meta(PROG, argv, rest, stock_backend(opts.stock_backend), opts.iters), noise_ref=opts.noise_ref)
+    out.mkdir(parents=True, exist_ok=True)
+    if opts.runs is not None and (out / "meta.json").is_file():
+        meta = _continue_meta(out, meta)
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))  # first: a cut-short comparison keeps it
+    t0 = time.perf_counter()
+    walls = {run: run_one(run, cmds[run], out) for run in runs}
+    if opts.runs is not None:
+        missing = [r for r in cmds if not (out / f"{r}.jsonl").is_file()]
+        if missing:
+            print(f"[{PROG}] ran {', '.join(runs)}; {', '.join(missing)} still to run (--runs "
+                  f"{','.join(missing)} with the same flags and --out), then the summary is written", flush=True)
+            return 0
+        return summarize_only(opts, rest)
+    records = {run: read_metrics(out / f"{run}.jsonl") for run in runs}
+    s = write_outputs(out, records, walls, meta, noise_slack=opts.noise_slack)
     return _report(opts, out, s, t0)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    opts, rest = _parser().parse_known_args(argv)
-    if opts.summarize_only:
-        return summarize_only(opts, rest)
-    try:
-        shared = expand_arg_files(rest)
-        check_like_for_like(shared, shlex.split(opts.hyscale_args))
-        check_noise_ref(opts)
-    except (CompareRefused, TrainConfigError) as exc:
-        print(f"hyscale-compare: {exc}", file=sys.stderr)
-        return 2
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
-    backend = stock_backend(opts.stock_backend)
-    cmds = run_commands(opts, rest, out)  # keep @files in the command lines: shorter, and they are expanded there
-    meta = _meta(opts, rest, backend)
-    if opts.runs is not None and (out / "meta.json").is_file():  # continuing a split comparison
-        try:
-            old = json.loads((out / "meta.json").read_text())
-        except ValueError:
-            old = {}
-        diff = [k for k in ("argv", "stock_backend", "noise_ref", "config") if old.get(k) != meta.get(k)]
-        if diff:
-            print(f"hyscale-compare: --runs: {out}/meta.json is from a comparison with other settings "
-                  f"({', '.join(f'{k}: {old.get(k)!r} vs {meta.get(k)!r}' for k in diff)}); use a fresh --out or "
-                  "the same flags.", file=sys.stderr)
-            return 2
-        meta = {**old, **meta}  # keep notes added to it by hand (commit, how it was run)
-    (out / "meta.json").write_text(json.dumps(meta, indent=2))  # first: a cut-short comparison keeps it
-    walls = {}
-    t0 = time.perf_counter()
-    runs = [run for run in ALL_RUNS if run in cmds]  # stock, hyscale[, stock_ref]
-    if opts.runs is not None:
-        chosen = [r.strip() for r in opts.runs.split(",") if r.strip()]
-        bad = [r for r in chosen if r not in runs]
-        if not chosen or bad:
-            print(f"hyscale-compare: --runs {opts.runs!r}: choose from {', '.join(runs)}"
-                  + (" (stock_ref needs --noise-ref BACKEND)" if REF_RUN in bad else ""), file=sys.stderr)
-            return 2
-        for run in (r for r in runs if r in chosen):
-            walls[run] = run_one(run, cmds[run], out)
-        missing = [r for r in runs if not (out / f"{r}.jsonl").is_file()]
-        if missing:
-            print(f"[hyscale-compare] ran {', '.join(r for r in runs if r in chosen)}; {', '.join(missing)} still "
-                  f"to run (--runs {','.join(missing)} with the same flags and --out), then the summary is "
-                  "written", flush=True)
-            return 0
-        return summarize_only(opts, rest)
-    for run in runs:
-        walls[run] = run_one(run, cmds[run], out)
-    records = {run: read_metrics(out / f"{run}.jsonl") for run in runs}
-    s = write_outputs(out, records, walls, meta, noise_slack=opts.noise_slack)
-    return _report(opts, out, s, t0)
+    return tool_main(PROG, _main, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
