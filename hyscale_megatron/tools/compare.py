@@ -1,74 +1,27 @@
 """``hyscale-compare``: stock Megatron DSA vs HyScale, same model / data / seed / recompute, back to back.
 
-Usage::
+Usage (docs/training.md has the details)::
 
     hyscale-compare --out runs/tiny_cpu --iters 10 @configs/tiny_cpu.args
     hyscale-compare --out runs/v32 --launcher "torchrun --nproc-per-node 1" @configs/deepseek_v32_1gpu.args
-    hyscale-compare --out runs/v32 --summarize-only      # rebuild the outputs of a run that was cut short
     hyscale-compare --out runs/v32 --noise-ref none --require-parity @configs/deepseek_v32_1gpu.args  # bf16 bound
+    hyscale-compare --out runs/v32 --summarize-only      # rebuild the outputs of a run that was cut short
 
-Every argument that is not one of the options below is a ``hyscale-train`` (= Megatron) flag and
-goes, unchanged, to BOTH runs. The two command lines differ only in
+Every argument that is not an option below is a ``hyscale-train`` (= Megatron) flag and goes,
+unchanged, to both runs; their command lines differ only in the layer spec (``stock_block_spec
+--no-hyscale`` vs ``hyscale_block_spec --hyscale``), the ``--hyscale-args`` of the HyScale run, run
+name and metrics file. Stock runs at its best backend (TileLang on CUDA when it imports, else its
+PyTorch path; ``--stock-backend``). Comparisons that would not be like for like are refused, and
+every run's flags are parsed before anything runs: a bad command gets one line and exit code 2.
 
-* the layer spec: ``--spec hyscale_megatron.specs stock_block_spec --no-hyscale`` (stock
-  ``DSAttention``) vs ``--spec hyscale_megatron.specs hyscale_block_spec --hyscale``;
-* ``--hyscale-*`` flags given with ``--hyscale-args`` (HyScale run only);
-* the run name and metrics file.
-
-Stock runs at its best available backend: ``--dsa-kernel-backend tilelang`` when CUDA is present
-and ``tilelang`` imports, else its default PyTorch path (``none``); ``--stock-backend`` overrides.
-The backend flag is passed to both runs (HyScale replaces selection, sparse attention and the
-indexer loss itself; anything it does not replace runs the same stock code in both runs).
-
-Before anything runs, every run's flags are parsed by Megatron's parser with HyScale's flags
-(unknown flags, bad values, a missing iteration count): a bad command is answered with one line
-and exit code 2, and nothing is written. A top-k not smaller than the sequence is noted once.
-
-Runs are separate subprocesses (``python -m hyscale_megatron.tools.train`` or ``--launcher``), stock
-first, so each has a clean process (and its own peak memory). Their per-iteration log lines are
-echoed as they come; full logs go to ``OUT/stock.log`` and ``OUT/hyscale.log`` (and ``OUT/stock_ref.log``).
-A run that fails ends the command with its log's last lines and exit code 1.
-
-Writes into ``--out``: ``iterations.csv`` (run, iteration, lm_loss, indexer_loss, step_ms,
-tokens_per_s, peak_mem_bytes, replay_store_bytes), ``summary.md`` (on GPU led by the speedup; on
-CPU by the loss agreement, its timings marked as not meaningful), ``summary.json``,
-``comparison.png`` (loss curves overlaid; step-time and memory bars) and the logs. ``meta.json``
-(the command as typed, the training flags both runs share, device, versions, stock backend, date)
-is written before the runs start; summary.md and the plot show its command and flags.
-
-Loss parity in bf16 (``--noise-ref BACKEND``, one of none/tilelang/cudnn, different from the stock backend).
-Two correct bf16 implementations of the same function diverge chaotically after a few (~10) steps, so
-a per-iteration loss difference between stock and HyScale says little on its own. ``--noise-ref`` adds
-a third run, ``stock_ref``, after the other two: the stock command line with ``--dsa-kernel-backend
-BACKEND`` (e.g. ``none``, stock's own PyTorch path, when stock runs ``tilelang``: the same function with
-different rounding), metrics ``OUT/stock_ref.jsonl``, log ``OUT/stock_ref.log``. Its divergence from stock
-measures the bf16 noise of this config and schedule. For both pairs (HyScale vs stock, stock_ref vs stock)
-the summary gives the max per-iteration relative LM-loss difference, the max *windowed* relative
-difference (relative difference of trailing-window means, window ``W = max(1, n // 10)`` iterations,
-at every window end, max over the run; LM and indexer loss) and the first iteration whose relative
-LM-loss difference exceeds 1e-2. HyScale is **within bf16 noise** when its windowed LM-loss divergence
-is <= ``--noise-slack`` (default 1.5) x the reference's; ``--require-parity`` exits 3 when it is not.
-``summary.json``: ``noise_ref`` and ``parity``; ``summary.md``: a table of both pairs and the verdict
-line; ``iterations.csv`` and ``comparison.png`` include the ``stock_ref`` run. Without ``--noise-ref``
-the windowed metric of HyScale vs stock is still in ``summary.json`` (``max_rel_windowed_lm_diff``,
-``max_rel_windowed_indexer_diff``, ``loss_window``, ``first_divergence_iter``).
-
-``--summarize-only`` trains nothing: it rebuilds ``iterations.csv``, ``summary.md``/``.json`` and
-``comparison.png`` from ``OUT/stock.jsonl``, ``OUT/hyscale.jsonl`` and ``OUT/meta.json`` (e.g. after an
-outer timeout killed the command once both runs had finished), plus ``OUT/stock_ref.jsonl`` when present
-(unless ``meta.json`` records ``"noise_ref": null``: then that file belongs to another comparison; its
-backend is read from ``meta.json``'s ``noise_ref``). Wall times are then unknown (``null``);
-runs with different iteration counts are cut to the shorter one (with a note). Shared flags, when
-given, are still checked like for like; ``--max-loss-rtol`` applies. ``--runs`` trains a subset of the
-runs now and summarizes once every run's metrics file is in ``--out`` (a comparison split over calls).
-
-Refuses (exit code 2, before running anything) comparisons that would not be like for like:
-``--no-hyscale``/``--hyscale``/``--spec``/``--hyscale-run-name``/``--hyscale-metrics-file``
-among the shared flags (the command sets them), per-run flags other than ``--hyscale-*``
-(different seeds, data or recompute for the two runs), and models without DSA layers
-(``--experimental-attention-variant dsa`` missing), a ``--noise-ref`` equal to the stock backend (after
-resolving ``auto``) and ``--require-parity`` without ``--noise-ref``. ``--max-loss-rtol`` turns the loss
-comparison into a check (exit code 3 when exceeded).
+Each run is a subprocess (``python -m hyscale_megatron.tools.train`` or ``--launcher``), stock
+first; progress lines are echoed, full logs go to ``OUT/<run>.log``. Outputs: ``meta.json``
+(written first), ``iterations.csv``, ``summary.md`` / ``summary.json`` and ``comparison.png``.
+On GPU the summary leads with the speedup; on CPU with the loss agreement, its timings marked as
+not meaningful. ``--noise-ref BACKEND`` adds ``stock_ref`` (stock with another backend) whose
+divergence from stock is the bf16 noise floor HyScale is judged against (windowed LM-loss
+divergence <= ``--noise-slack`` x the reference's). Exit codes: 0 done, 1 a run failed, 2 refused,
+3 a ``--max-loss-rtol`` or ``--require-parity`` check failed.
 """
 
 from __future__ import annotations

@@ -1,40 +1,26 @@
 """``hyscale-longest``: the longest sequence stock DSA and HyScale can train, one length at a time.
 
-Usage::
+Usage (docs/training.md has the details)::
 
-    hyscale-longest --out runs/longest                                  # one H200, DeepSeek-V3.2-like
+    hyscale-longest --out runs/longest                                  # one GPU, DeepSeek-V3.2-like
     hyscale-longest --out runs/longest @configs/glm51_1gpu.args --seq-lengths 65536,262144
     hyscale-longest --out runs/tiny --seq-lengths 64,128 --iters 2 @configs/tiny_cpu.args   # CPU demo
 
-Trains the config (default ``@configs/deepseek_v32_longest.args`` -- the 1-GPU DeepSeek-V3.2-like
-model cut to what fits at 1M tokens: 16 heads, 2 layers, small vocabulary -- when no ``@FILE`` is given; other
-unknown arguments are ``hyscale-train`` / Megatron flags shared by every run) for ``--iters``
-iterations (default 3) at each of ``--seq-lengths`` (default 32768,131072,524288,1048576), with
-full activation recompute and HyScale's selection replay, for stock DSA and for HyScale. Each
-(kind, length) is a separate subprocess with ``--seq-length L --max-position-embeddings L``
-appended, built and run by the functions ``hyscale-compare`` uses (``common.run_flags``: same
-spec choice, stock at its best available backend, ``--stock-backend`` to override;
-``common.run_process``: the subprocess runner with visible progress). Per length, stock runs
-first, then HyScale. As in ``hyscale-compare``, the flags are parsed before anything runs and a
-bad command is answered with one line (exit 2).
+Trains the config (``@configs/deepseek_v32_longest.args`` when no ``@FILE`` is given; other unknown
+arguments are ``hyscale-train`` flags shared by every run) for ``--iters`` iterations at each of
+``--seq-lengths``, in increasing order, under full recompute, stock then HyScale (with selection
+replay, its store offloaded) at each length. Every (kind, length) is a subprocess built and run as
+``hyscale-compare`` builds and runs its runs, with ``--seq-length L --max-position-embeddings L``
+appended. A kind stops at its first out-of-memory (``torch.OutOfMemoryError`` / "out of memory" in
+its log, or SIGKILL: exit -9 or 137), error (any other failure; the command then exits 1) or
+``--run-timeout-s`` limit (``partial`` when an iteration finished, else ``timeout``).
 
-With ``--run-timeout-s`` each run is wrapped in ``timeout`` (exit code 124 when it fires): a run
-that finished at least one iteration within the limit is ``partial`` (it trained at that length;
-metrics from the iterations it logged), one that did not is ``timeout``; either stops that kind
-(neither is an out-of-memory). ``--kinds`` runs only stock or only HyScale.
-
-A kind stops at its first out-of-memory: a log that contains ``torch.OutOfMemoryError``,
-``CUDA out of memory`` or ``out of memory``, or a process killed by SIGKILL (the kernel's OOM
-killer: return code -9, or 137 through a shell or launcher). Any other non-zero exit (or a run
-that logged no iteration) is reported as ``error`` with its first error line, stops that kind
-too, and makes the command exit 1.
-
-Writes into ``--out``: ``longest.csv`` (kind, seq_len, status ok/oom/error, median_step_ms,
-tokens_per_s, peak_mem_bytes, replay_store_bytes, error), ``longest.md`` (table and "stock's
-longest trainable length: X; HyScale's: Y") and ``L<seq_len>/{stock,hyscale}.{log,jsonl}``.
-
-Refuses (exit 2, nothing run) what ``hyscale-compare`` refuses, configs without full recompute
-(``--recompute-granularity full``) and ``--no-hyscale-replay``.
+Writes into ``--out``: ``meta.json``, ``longest.csv`` (kind, seq_len, status, median step time,
+tokens/s, peak memory, replay store, iterations, error line), ``longest.md`` (both kinds side by
+side and "stock's longest trainable length: X; HyScale's: Y") and ``L<seq_len>/<kind>.{log,jsonl}``.
+``--kinds`` runs one kind, ``--merge`` joins sweeps. Refuses (one line, exit 2, nothing run) what
+``hyscale-compare`` refuses, configs without ``--recompute-granularity full`` and
+``--no-hyscale-replay``.
 """
 
 from __future__ import annotations

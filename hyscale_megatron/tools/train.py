@@ -1,6 +1,6 @@
 """``hyscale-train``: train a GPT with DSA layers (stock or HyScale) using Megatron's own flags.
 
-Usage (any Megatron ``pretrain_gpt.py`` flags, plus HyScale's)::
+Usage (any Megatron ``pretrain_gpt.py`` flags, plus HyScale's; docs/training.md has the details)::
 
     hyscale-train @configs/tiny_cpu.args --hyscale                      # CPU, core loop
     torchrun --nproc-per-node 8 -m hyscale_megatron.tools.train \\
@@ -8,51 +8,25 @@ Usage (any Megatron ``pretrain_gpt.py`` flags, plus HyScale's)::
         --spec hyscale_megatron.specs hyscale_block_spec --hyscale       # GPUs, Megatron pretrain
     hyscale-train --help-hyscale                                        # HyScale's flags only
 
-``@FILE`` arguments are replaced by the flags in FILE (shell-like quoting, ``#`` comments).
+``@FILE`` arguments are replaced by the flags in FILE (shell-like quoting, ``#`` comments). The flags
+are Megatron's parser (``parse_and_validate_args``) with ``add_hyscale_args`` and this module's
+``--hyscale-core-loop`` / ``--hyscale-metrics-file`` / ``--hyscale-run-name``; a bad command gets one
+line and exit code 2 before anything is built. Without ``--spec`` a DSA model gets
+``hyscale_megatron.specs hyscale_block_spec`` (``--hyscale``, the default) or ``stock_block_spec``
+(``--no-hyscale``); the HyScale settings reach ``runtime.set_config`` before any model is built.
 
-Two back-ends, same flags (Megatron's own parser, ``parse_and_validate_args``, with
-``add_hyscale_args`` plus this module's ``--hyscale-core-loop`` / ``--hyscale-metrics-file`` /
-``--hyscale-run-name``):
+Two back-ends, same flags, same model builder, datasets, batch and loss functions:
 
-(a) **Megatron ``pretrain``** -- the default when CUDA is available. What Megatron-LM's
-    ``pretrain_gpt.py`` does for a GPT: ``gpt_config_from_args`` builds a ``GPTModelConfig`` whose
-    ``transformer_layer_spec`` is the ``--spec`` callable (``hyscale_megatron.specs
-    hyscale_block_spec`` or ``stock_block_spec``; chosen from ``--hyscale/--no-hyscale`` when
-    ``--spec`` is absent), Megatron's ``GPTModelBuilder`` builds and wraps the model (DDP /
-    distributed optimizer / any TP, PP, VPP, CP, DP layout Megatron accepts), and the data is
-    ``MockGPTDataset`` (``--mock-data``, the default when no ``--data-path`` is given) or Megatron
-    indexed data (``GPTDataset``, ``--data-path``). The HyScale settings are parsed from the flags
-    and installed with ``runtime.set_config`` before any model is built. Overlays:
-    ``hyscale_patches.training_compat``.
+(a) Megatron's ``pretrain`` (the default with CUDA): what ``pretrain_gpt.py`` does for a GPT, with
+    Megatron's ``GPTModelBuilder``, optimizer, any TP / PP / VPP / CP / DP layout, checkpointing.
+(b) the core loop (the default without CUDA, or ``--hyscale-core-loop``): megatron.core's pipeline
+    schedules, Megatron's data sampler and a plain ``torch.optim.AdamW``; gloo or NCCL, world size 1
+    or more under torchrun; no checkpointing or evaluation; tied embeddings need PP=1.
 
-(b) **core loop** -- the default without CUDA, or with ``--hyscale-core-loop``. A small loop
-    around megatron.core's own pipeline schedules (``get_forward_backward_func``: no pipelining,
-    1F1B, interleaved), the same model builder, batch function, loss function and datasets as
-    (a), Megatron's data sampler (``build_pretraining_data_loader``), and a plain
-    ``torch.optim.AdamW`` (``--lr``, ``--min-lr``, ``--lr-warmup-iters``, ``--lr-decay-style``
-    constant/linear/cosine, ``--adam-beta1/2``, ``--adam-eps``, ``--weight-decay``,
-    ``--clip-grad``). Megatron's ``get_megatron_optimizer`` needs DDP-wrapped models with
-    contiguous grad buffers and CUDA streams, far more CPU shimming than it is worth for the
-    tiny configs. Data-parallel gradients are averaged with one ``all_reduce`` per parameter;
-    grad-norm clipping is per rank (exact at TP=1). Runs on gloo (CPU) or NCCL (GPU), world size 1
-    or more under ``torchrun``. No checkpointing, no evaluation. Tied embeddings need PP=1 here
-    (use ``--untie-embeddings-and-output-weights`` with PP > 1).
-
-Per-iteration log line, on the last rank, in Megatron's format::
-
-    [2026-...] iteration 3/10 | consumed samples: 3 | elapsed time per iteration (ms): 812.4 |
-    tokens/s: 315 | learning rate: 1.000000E-03 | global batch size: 1 | lm loss: 4.85E+00 |
-    indexer loss: 1.23E-02 | peak memory (MB): 612.1 |
-
-``--hyscale-metrics-file PATH`` also appends one JSON object per iteration to PATH (iteration,
-lm_loss, indexer_loss, step_ms, tokens_per_s, peak_mem_bytes, replay_store_bytes, lr, ...);
-``hyscale-compare`` reads these. Peak memory is ``torch.cuda.max_memory_allocated()`` on GPU and
-the process's peak resident set size (``ru_maxrss``) on CPU.
-
-Bad flags are answered with one line (exit code 2) before anything is built. Unless
-``TORCH_EXTENSIONS_DIR`` is set, C++ extensions that Megatron compiles on first use are cached in
-the virtual environment (``<venv>/torch_extensions``), not in the per-user cache that every
-environment shares.
+Every iteration is logged in Megatron's format (loss, indexer loss, step time, tokens/s, peak
+memory, replay store); ``--hyscale-metrics-file PATH`` also appends it as one JSON object per line,
+which ``hyscale-compare`` reads. Unless ``TORCH_EXTENSIONS_DIR`` is set, C++ extensions Megatron
+compiles on first use are cached in the virtual environment (``<venv>/torch_extensions``).
 """
 
 from __future__ import annotations
@@ -484,9 +458,9 @@ def _init_distributed(args) -> None:
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            from ..env import _free_port  # noqa: PLC0415
+            from ..env import free_port  # noqa: PLC0415
 
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", args.rank % torch.cuda.device_count())))
@@ -719,10 +693,10 @@ def _single_process_rendezvous() -> None:
     rendezvous still needs MASTER_ADDR/PORT, RANK, WORLD_SIZE and LOCAL_RANK: default them."""
     if "WORLD_SIZE" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ or not torch.cuda.is_available():
         return
-    from ..env import _free_port  # noqa: PLC0415
+    from ..env import free_port  # noqa: PLC0415
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
