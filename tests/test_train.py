@@ -24,6 +24,15 @@ def _unset_megatron_globals():
     global_vars.unset_global_variables()
 
 
+@pytest.fixture
+def keep_env(monkeypatch):
+    """hyscale-train's main may set TORCH_EXTENSIONS_DIR: undo it after the test."""
+    prev = os.environ.get("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", prev or "")  # records the state to restore
+    if prev is None:
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+
+
 # ----------------------------------------------------------------------------- help
 def test_help_lists_hyscale_flags_first(capsys):
     assert train.main(["--help"]) == 0
@@ -50,7 +59,7 @@ def test_help_hyscale_prints_only_ours(capsys):
     (["--train-iters", "0"], "--train-iters must be >= 1, got 0"),
     (["--global-batch-size", "3", "--micro-batch-size", "2"], "Megatron's argument validation refuses the flags"),
 ])
-def test_bad_flags_are_one_line(flags, msg, capsys, monkeypatch):
+def test_bad_flags_are_one_line(flags, msg, capsys, monkeypatch, keep_env):
     monkeypatch.setattr(train, "run_core_loop", lambda args: pytest.fail("nothing may train"))
     monkeypatch.setattr(train, "run_pretrain", lambda args: pytest.fail("nothing may train"))
     assert train.main([TINY, *flags]) == 2
@@ -62,7 +71,7 @@ def test_bad_flags_are_one_line(flags, msg, capsys, monkeypatch):
         train.expand_arg_files(["@/nonexistent/file.args"])
 
 
-def test_topk_not_smaller_than_the_sequence_is_noted(capsys, monkeypatch):
+def test_topk_not_smaller_than_the_sequence_is_noted(capsys, monkeypatch, keep_env):
     ran = []
     monkeypatch.setattr(train, "run_core_loop", ran.append)
     monkeypatch.setattr(train, "run_pretrain", ran.append)
