@@ -10,7 +10,7 @@ set -u
 source bench/device_env.sh
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 echo "== 1. pretrain compare"
-timeout 90 python3 -m hyscale_megatron.compare --out "$OUT/cmp" --iters 5 --stock-backend none @configs/tiny_cpu.args \
+timeout 90 python3 -m hyscale_megatron.tools.compare --out "$OUT/cmp" --iters 5 --stock-backend none @configs/tiny_cpu.args \
   > "$OUT/cmp_console.txt" 2>&1; rc=$?
 echo "compare rc=$rc"; grep -E "^\||speedup|difference|device" "$OUT/cmp/summary.md" 2>/dev/null || tail -15 "$OUT/cmp_console.txt"
 rm -f "$OUT"/cmp/*.jsonl "$OUT"/cmp/summary.json "$OUT"/cmp/iterations.csv

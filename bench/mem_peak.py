@@ -2,7 +2,7 @@
 
 The CPU memory ledger (``bench/memory_ledger.py``) predicts the per-token peak from stand-ins; this
 script measures it on the GPU: it records the allocator's alloc/free history with Python stacks
-(``torch.cuda.memory._record_memory_history``) while ``hyscale_megatron.train`` runs, replays the
+(``torch.cuda.memory._record_memory_history``) while ``hyscale_megatron.tools.train`` runs, replays the
 trace to find the moment of the largest allocated total (or the OOM), and prints the live blocks
 at that moment grouped by the first call site in this repo or Megatron, in bytes per token.
 
@@ -119,7 +119,7 @@ def _run(opts, train_args) -> int:
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _repo  # noqa: F401,PLC0415
-    from hyscale_megatron import train  # noqa: PLC0415
+    from hyscale_megatron.tools import train  # noqa: PLC0415
 
     os.makedirs(opts.out, exist_ok=True)
     torch.cuda.memory._record_memory_history(max_entries=opts.max_entries, context="alloc", stacks="python")
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     opts = p.parse_args(argv)
     if opts.cmd == "run":
         if not train_args:
-            p.error("run: give the hyscale_megatron.train arguments after --")
+            p.error("run: give the hyscale_megatron.tools.train arguments after --")
         return _run(opts, train_args)
     with open(opts.snapshot, "rb") as f:
         snap = pickle.load(f)

@@ -583,7 +583,8 @@ def run(opts) -> dict:
 
 def _run(opts) -> dict:
     global LEDGER
-    from hyscale_megatron import replay, train
+    from hyscale_megatron import replay
+    from hyscale_megatron.tools import train
 
     if opts.kernels == "emulate":
         install_fused_rms_norm_standin()

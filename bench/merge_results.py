@@ -1,7 +1,7 @@
-"""Append a device run's CSV (written with the csv module's CRLF line ends, no commit column) to a repo results CSV
+"""Append a GPU run's CSV (written with the csv module's CRLF line ends, no commit column) to a repo results CSV
 that has a trailing "commit" column: `python3 bench/merge_results.py SRC DST [--commit HASH]` (default: git's short
-HEAD). Rows are re-written field by field, so a CR at a line end can never end up inside a row (until session 18
-the merges were `sed "s/$/,commit/"`, which put the commit after the CR and split 116 rows in two)."""
+HEAD). Rows are re-written field by field, so a CR at a line end never ends up inside a row (appending ",commit"
+to each text line would put it after the CR and split the row in two)."""
 
 from __future__ import annotations
 

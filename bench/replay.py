@@ -6,9 +6,9 @@ backward re-runs it with grad. Stock then selects twice; HyScale with replay sel
 DeepSeek-V3.2 attention shapes: absorbed MLA (576 / 512), 16 heads (a TP shard of 128), indexer
 64 x 128, top-2048, sparse indexer loss on (coeff 0.01). Random bf16 inputs, warm-up, medians.
 
-On the H200 (device tool), from the repo root, with the stock TileLang bundle carried:
-  mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl-tl/site.tar.xz && \
-  PYTHONPATH=/tmp/site TILELANG_CACHE_DIR=/tmp/tlcache python3 bench/replay.py --out $OUT
+On a GPU, from the repo root, with stock's TileLang installed (or the bundle bench/device_env.sh unpacks):
+  python3 bench/replay.py --out $OUT              # appends its rows to bench/results/replay.csv
+  python3 bench/plot_replay.py                    # bench/results/replay.png
 CPU smoke (tiny shapes): python bench/replay.py --cpu-smoke
 """
 

@@ -34,7 +34,7 @@ HYSCALE_ARGS="--hyscale --hyscale-replay --hyscale-topk-impl auto --hyscale-attn
 
 torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-  -m hyscale_megatron.train "@${MODEL_ARGS}" \
+  -m hyscale_megatron.tools.train "@${MODEL_ARGS}" \
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
   --context-parallel-size "$CP" $SP_ARGS \
   --seq-length "$SEQ" --max-position-embeddings "$SEQ" \

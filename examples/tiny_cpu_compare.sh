@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUT=${OUT:-runs/tiny_cpu}
 ITERS=${ITERS:-10}
-exec "$PY" -m hyscale_megatron.compare --out "$OUT" --iters "$ITERS" @configs/tiny_cpu.args "$@"
+exec "$PY" -m hyscale_megatron.tools.compare --out "$OUT" --iters "$ITERS" @configs/tiny_cpu.args "$@"

@@ -1,4 +1,4 @@
-"""Process setup for single-process runs (tests, the CPU demo) and small model builders."""
+"""Process setup for single-process runs (tests, benchmarks): process group, Megatron model-parallel state, seeds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import socket
 import torch
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -24,7 +25,7 @@ def init_single_process(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
     cpu_compat.apply()
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(0)

@@ -1,4 +1,4 @@
-"""Small DSA model configs and builders used by the CPU demo, the tests and the benchmarks."""
+"""Small DSA model configs and builders for the tests and the benchmarks."""
 
 from __future__ import annotations
 

@@ -3,8 +3,15 @@
 Applied only when ``torch.cuda.is_available()`` is False. Stock calls
 ``torch.cuda.current_device()`` as a device (rotary embeddings, the indexer-loss tracker) and
 saves/restores the CUDA RNG around checkpointed regions; on CPU those become the CPU device and
-the CPU RNG. Context-parallel RoPE picks its position chunks with a CUDA index. The pipeline schedules create a token counter with ``device="cuda"``; inside that
-module only, such factories create CPU tensors. Nothing changes on a GPU machine.
+the CPU RNG. Context-parallel RoPE picks its position chunks with a CUDA index; here it indexes on the
+embedding's device. The pipeline schedules create a token counter with ``device="cuda"``; inside that
+module only, such factories create CPU tensors.
+
+``CheckpointWithoutOutput`` (the MLA up-projection recompute) hands its recomputed outputs to the
+discarded ones with ``share_storage``, a C++ extension Megatron compiles on first use (tens of
+seconds, a C++ compiler and ninja). On CPU the recomputed bytes are copied into the discarded
+storage instead (:func:`copy_storage`): same values, no compiler, one more copy of those outputs
+in host memory until the layer's backward ends. Nothing changes on a GPU machine.
 """
 
 from __future__ import annotations
@@ -81,6 +88,22 @@ def _schedules_torch(orig):
     return _CpuTorchProxy(orig)
 
 
+def copy_storage(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``share_storage(dst, src)`` by copying: ``dst``'s storage (resized to 0 when its output was
+    discarded) gets ``src``'s bytes. Storage-level, so every view of ``dst`` sees them and no
+    autograd version counter changes."""
+    storage = dst.untyped_storage()
+    storage.resize_(src.untyped_storage().nbytes())
+    storage.copy_(src.untyped_storage())
+
+
+def _share_storage_by_copy(_orig):
+    def _get_share_storage():
+        return copy_storage
+
+    return _get_share_storage
+
+
 PATCHES = [
     Patch("cpu-current-device", "torch.cuda", "current_device", _current_device),
     Patch("cpu-rng-get", RANDOM, "_get_all_rng_states", _get_rng),
@@ -90,6 +113,7 @@ PATCHES = [
     Patch("cpu-cp-yarn", "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
           "get_pos_emb_on_this_cp_rank", _cp_pos_emb),
     Patch("cpu-schedules-device", "megatron.core.pipeline_parallel.schedules", "torch", _schedules_torch),
+    Patch("cpu-share-storage-copy", RANDOM, "_get_share_storage", _share_storage_by_copy),
 ]
 
 

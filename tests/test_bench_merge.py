@@ -1,4 +1,4 @@
-"""bench/merge_results.py: device CSVs (CRLF line ends) append to a repo results CSV with a commit column, row by
+"""bench/merge_results.py: GPU runs' CSVs (CRLF line ends) append to a repo results CSV with a commit column, row by
 row; a header mismatch is refused."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""hyscale-longest on CPU: OOM classification, stop-at-first-OOM with an injected runner, refusals,
-and an end-to-end sweep on the tiny config."""
+"""hyscale-longest: how a run's end is classified (ok, OOM, error, time limit), the sweep's
+stop-at-first-OOM order with an injected runner, bad commands answered with one line, merging
+sweeps, and one real sweep on the tiny config."""
 
 import csv
 import json
@@ -7,11 +8,10 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
+from _tools import TINY, error_lines
 
-from hyscale_megatron import longest
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = f"@{ROOT / 'configs' / 'tiny_cpu.args'}"
+from hyscale_megatron.tools import longest
 
 CUDA_OOM = """Traceback (most recent call last):
   File "/x/train.py", line 600, in run_core_loop
@@ -136,13 +136,19 @@ def test_real_error_is_not_reported_as_oom(tmp_path):
     ([TINY, "--experimental-attention-variant", "gated_delta_net"], "without DSA layers"),
     ([TINY, "--hyscale-args", "--seed 3"], "refusing --seed"),
     ([TINY, "--spec", "hyscale_megatron.specs", "stock_block_spec"], "layer spec"),
+    ([TINY, "--hyscale-args", "--hyscale-attn-impl bogus"], "attn_impl='bogus' is invalid"),
+    ([TINY, "--iters", "0"], "argument --iters: must be an integer >= 1"),
+    ([TINY, "--run-timeout-s", "0"], "argument --run-timeout-s: must be > 0 seconds"),
+    ([TINY, "--kinds", "stock,dense"], "--kinds wants"),
+    ([TINY, "--seq-lengths", "64,x"], "--seq-lengths wants comma-separated integers"),
 ])
 def test_refusals(argv, msg, tmp_path, capsys):
     def never(*a):
         raise AssertionError("nothing may run for a refused sweep")
 
     assert longest.main(["--out", str(tmp_path / "o"), *argv], runner=never) == 2
-    assert msg in capsys.readouterr().err
+    lines = error_lines(capsys.readouterr().err, "hyscale-longest")
+    assert len(lines) == 1 and msg in lines[0], lines
     assert not (tmp_path / "o").exists()
 
 
@@ -155,34 +161,29 @@ def test_default_config_is_the_deepseek_v32_one(tmp_path):
     assert opts.seq_lengths == [32768, 131072, 524288, 1048576] and opts.iters == 3
 
 
-def test_longest_tiny_cpu_end_to_end(tmp_path, capsys):
+def test_real_sweep_of_the_tiny_config(tmp_path, capsys):
+    """Two real HyScale runs (64 and 128 tokens): the runner, the appended lengths and the replay store
+    growing with the sequence (the stock runs go through the same runner in test_compare.py)."""
     out = tmp_path / "tiny"
-    rc = longest.main(["--out", str(out), TINY, "--seq-lengths", "64,128", "--iters", "2"])
+    rc = longest.main(["--out", str(out), TINY, "--seq-lengths", "64,128", "--iters", "2", "--kinds", "hyscale"])
     printed = capsys.readouterr().out
-    assert rc == 0
-    assert "[stock]" in printed and "[hyscale]" in printed and "| lm loss:" in printed, "progress must be visible"
+    assert rc == 0, printed[-3000:]
+    assert "[hyscale]" in printed and "| lm loss:" in printed, "progress must be visible"
     rows = _rows(out / "longest.csv")
-    assert [(r["kind"], int(r["seq_len"]), r["status"]) for r in rows] == [
-        ("stock", 64, "ok"), ("hyscale", 64, "ok"), ("stock", 128, "ok"), ("hyscale", 128, "ok")]
+    assert [(r["kind"], int(r["seq_len"]), r["status"]) for r in rows] == [("hyscale", 64, "ok"), ("hyscale", 128, "ok")]
     for r in rows:
         for key in ("median_step_ms", "tokens_per_s"):
-            assert math.isfinite(float(r[key])) and float(r[key]) > 0, (r["kind"], key)
-        assert int(r["peak_mem_bytes"]) > 0 and r["error"] == ""
-        if r["kind"] == "stock":
-            assert int(r["replay_store_bytes"]) == 0
-        else:
-            assert int(r["replay_store_bytes"]) > 0, "full recompute + replay: HyScale stores its selection"
-    hs = {int(r["seq_len"]): int(r["replay_store_bytes"]) for r in rows if r["kind"] == "hyscale"}
-    assert hs[128] > hs[64], "the replay store grows with the sequence"
+            assert math.isfinite(float(r[key])) and float(r[key]) > 0, key
+        assert int(r["peak_mem_bytes"]) > 0 and r["error"] == "" and r["iterations"] == "2"
+    store = {int(r["seq_len"]): int(r["replay_store_bytes"]) for r in rows}
+    assert 0 < store[64] < store[128], "full recompute + replay: the store grows with the sequence"
     for seq in (64, 128):
-        for kind in ("stock", "hyscale"):
-            log = (out / f"L{seq}" / f"{kind}.log").read_text()
-            assert f"--seq-length {seq}" in printed
-            assert ("HyScaleDSAttention" if kind == "hyscale" else "'DSAttention'") in log
+        assert f"--seq-length {seq} --max-position-embeddings {seq}" in printed
+        assert "HyScaleDSAttention" in (out / f"L{seq}" / "hyscale.log").read_text()
     md = (out / "longest.md").read_text()
-    assert "| 64 | ok |" in md and "| 128 | ok |" in md
-    assert ("stock's longest trainable length: 128 (the longest tried; did not run out of memory); "
-            "HyScale's: 128 (the longest tried; did not run out of memory)") in md
+    assert "| 64 | not run |" in md and "HyScale's: 128 (the longest tried; did not run out of memory)" in md
+    assert "- command: `hyscale-longest --out" in md
+    assert ("CPU timings are not meaningful" in md) != torch.cuda.is_available()
 
 
 class TimeoutRunner(FakeRunner):
@@ -225,17 +226,13 @@ def test_time_limit_is_not_an_oom(tmp_path, partial):
     assert "HyScale's: 512 (the longest tried" in md
 
 
-def test_kinds_and_bad_limits(tmp_path, capsys):
+def test_kinds(tmp_path):
     fake = FakeRunner({"stock": 1 << 30, "hyscale": 1 << 30})
     assert longest.main(["--out", str(tmp_path), TINY, "--seq-lengths", "64,128", "--kinds", "hyscale"],
                         runner=fake) == 0
     assert [(k, s) for k, s, _ in fake.calls] == [("hyscale", 64), ("hyscale", 128)]
     md = (tmp_path / "longest.md").read_text()
     assert "stock's longest trainable length: not run" in md and "| 64 | not run |" in md
-    assert longest.main(["--out", str(tmp_path), TINY, "--kinds", "stock,dense"], runner=fake) == 2
-    assert "--kinds wants" in capsys.readouterr().err
-    assert longest.main(["--out", str(tmp_path), TINY, "--run-timeout-s", "0"], runner=fake) == 2
-    assert "--run-timeout-s must be > 0" in capsys.readouterr().err
 
 
 def test_real_time_limit_with_the_tiny_config(tmp_path):
@@ -246,7 +243,7 @@ def test_real_time_limit_with_the_tiny_config(tmp_path):
     assert rows == [("stock", 64, "timeout"), ("hyscale", 64, "timeout")]
 
 
-def test_merge_two_sessions(tmp_path, capsys):
+def test_merge_two_sweeps(tmp_path, capsys):
     """--merge joins a stock-only and a HyScale-only sweep; a one-iteration PARTIAL row is marked as a
     warm-up step time and gets no speedup; a directory without meta.json is refused."""
     a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from megatron.core.tensor_parallel import random as tp_random
 
-from hyscale_megatron import train
+from hyscale_megatron.tools import train
 from hyscale_megatron.config import HyScaleConfig, HyScaleConfigError
 from hyscale_megatron.mla_up import HyScaleAbsorbedMLA
 from hyscale_megatron.specs import swap_dsa_core

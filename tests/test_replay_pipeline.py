@@ -26,7 +26,7 @@ def _args_without_recompute(tmp_path):
 def _run(tmp_path, name, args_file, extra, port):
     metrics = tmp_path / f"{name}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           "-m", "hyscale_megatron.train", f"@{args_file}", "--num-layers", "4",
+           "-m", "hyscale_megatron.tools.train", f"@{args_file}", "--num-layers", "4",
            "--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--train-iters", "2",
            "--hyscale-metrics-file", str(metrics), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")

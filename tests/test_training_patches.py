@@ -1,10 +1,12 @@
-"""patches/training_compat.py: apply-twice safety, logging once, behaviour, clear failure on a missing symbol."""
+"""The overlays the tools apply (patches/training_compat.py) and the share_storage replacement of
+patches/cpu_compat.py: apply-twice safety, logging once, behaviour, clear failure on a missing symbol."""
 
 import logging
 
 import pytest
+import torch
 
-from hyscale_patches import training_compat
+from hyscale_patches import cpu_compat, training_compat
 from hyscale_patches._base import MegatronPatchError, Patch
 
 
@@ -20,7 +22,8 @@ def test_apply_twice_is_safe_and_logs_once(clean_patches, caplog):
 
     original = utils.compile_helpers
     with caplog.at_level(logging.INFO, logger="hyscale_patches"):
-        assert training_compat.apply(cpu=False) == ["skip-compile-helpers", "cpu-init-to-device"]
+        assert training_compat.apply(cpu=False) == ["skip-compile-helpers", "cpu-init-to-device",
+                                                    "share-storage-build"]
         first = utils.compile_helpers
         training_compat.apply()
         assert utils.compile_helpers is first, "second apply must not wrap again"
@@ -125,3 +128,68 @@ def test_cpu_init_to_device_moves_chunks_before_wrapping(clean_patches, monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     fn([Chunk()], cfg, None)
     assert seen[2:] == [[None]] * 4
+
+
+# ----------------------------------------------------------------------------- share_storage without a C++ build
+def test_copy_storage_acts_like_share_storage():
+    """After the discard (storage resized to 0), every view of the output sees the recomputed values
+    and no autograd version counter moves."""
+    out = torch.arange(12.0).reshape(3, 4)
+    view = out.view(4, 3)[1:]
+    version = out._version
+    out.untyped_storage().resize_(0)
+    recomputed = torch.arange(12.0).reshape(3, 4) * 2
+    cpu_compat.copy_storage(out, recomputed)
+    assert torch.equal(out, recomputed) and torch.equal(view, recomputed.view(4, 3)[1:])
+    assert out._version == version
+    recomputed.zero_()
+    assert out.abs().sum() > 0, "a copy: the recomputed tensor may be freed"
+
+
+def test_cpu_share_storage_never_builds(monkeypatch):
+    from megatron.core.tensor_parallel import random as tp_random
+
+    monkeypatch.setattr(tp_random, "load_inline", lambda **kw: pytest.fail("no C++ build on CPU"))
+    patch = next(p for p in cpu_compat.PATCHES if p.name == "cpu-share-storage-copy")
+    was_applied = patch.applied  # the other CPU shims stay as they are
+    patch.apply()
+    try:
+        assert tp_random._get_share_storage() is cpu_compat.copy_storage
+    finally:
+        if not was_applied:
+            patch.revert()
+
+
+def test_gpu_share_storage_build_says_so_and_falls_back(clean_patches, monkeypatch, tmp_path, capsys, caplog):
+    from megatron.core.tensor_parallel import random as tp_random
+
+    calls = []
+
+    def failing_build():
+        calls.append(1)
+        raise RuntimeError("Ninja is required to load C++ extensions\nmore detail")
+
+    monkeypatch.setattr(tp_random, "_get_share_storage", failing_build)
+    monkeypatch.setattr(training_compat, "extension_build_dir", lambda name: str(tmp_path))
+    (tmp_path / "lock").write_text("")
+    training_compat.apply(cpu=False)
+    with caplog.at_level(logging.WARNING, logger="hyscale_patches"):
+        assert tp_random._get_share_storage() is cpu_compat.copy_storage
+        assert tp_random._get_share_storage() is cpu_compat.copy_storage
+    assert len(calls) == 1, "one build attempt per process"
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"[hyscale] building Megatron's share_storage_ext C++ extension (first MLA up-projection "
+                   f"recompute; once per extensions folder, tens of seconds) in {tmp_path}",
+                   f"[hyscale] waiting for {tmp_path / 'lock'}: another process is building share_storage_ext "
+                   "(delete the file if none is)"]
+    warned = [r.getMessage() for r in caplog.records if "could not build" in r.getMessage()]
+    assert len(warned) == 1 and "(Ninja is required to load C++ extensions);" in warned[0]
+    training_compat.revert()
+    # already built: silent, Megatron's own function
+    (tmp_path / "lock").unlink()
+    (tmp_path / "share_storage_ext.so").write_text("")
+    built = object()
+    monkeypatch.setattr(tp_random, "_get_share_storage", lambda: built)
+    training_compat.apply(cpu=False)
+    assert tp_random._get_share_storage() is built
+    assert capsys.readouterr().out == ""

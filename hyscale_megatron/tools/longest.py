@@ -1,38 +1,26 @@
 """``hyscale-longest``: the longest sequence stock DSA and HyScale can train, one length at a time.
 
-Usage::
+Usage (docs/training.md has the details)::
 
-    hyscale-longest --out runs/longest                                  # one H200, DeepSeek-V3.2-like
+    hyscale-longest --out runs/longest                                  # one GPU, DeepSeek-V3.2-like
     hyscale-longest --out runs/longest @configs/glm51_1gpu.args --seq-lengths 65536,262144
     hyscale-longest --out runs/tiny --seq-lengths 64,128 --iters 2 @configs/tiny_cpu.args   # CPU demo
 
-Trains the config (default ``@configs/deepseek_v32_longest.args`` -- the 1-GPU DeepSeek-V3.2-like
-model cut to what fits at 1M tokens: 16 heads, 2 layers, small vocabulary -- when no ``@FILE`` is given; other
-unknown arguments are ``hyscale-train`` / Megatron flags shared by every run) for ``--iters``
-iterations (default 3) at each of ``--seq-lengths`` (default 32768,131072,524288,1048576), with
-full activation recompute and HyScale's selection replay, for stock DSA and for HyScale. Each
-(kind, length) is a separate subprocess with ``--seq-length L --max-position-embeddings L``
-appended, built and run by ``hyscale-compare``'s own functions (``run_commands``: same spec
-choice, stock at its best available backend, ``--stock-backend`` to override; ``run_process``:
-the subprocess runner with visible progress). Per length, stock runs first, then HyScale.
+Trains the config (``@configs/deepseek_v32_longest.args`` when no ``@FILE`` is given; other unknown
+arguments are ``hyscale-train`` flags shared by every run) for ``--iters`` iterations at each of
+``--seq-lengths``, in increasing order, under full recompute, stock then HyScale (with selection
+replay, its store offloaded) at each length. Every (kind, length) is a subprocess built and run as
+``hyscale-compare`` builds and runs its runs, with ``--seq-length L --max-position-embeddings L``
+appended. A kind stops at its first out-of-memory (``torch.OutOfMemoryError`` / "out of memory" in
+its log, or SIGKILL: exit -9 or 137), error (any other failure; the command then exits 1) or
+``--run-timeout-s`` limit (``partial`` when an iteration finished, else ``timeout``).
 
-With ``--run-timeout-s`` each run is wrapped in ``timeout`` (exit code 124 when it fires): a run
-that finished at least one iteration within the limit is ``partial`` (it trained at that length;
-metrics from the iterations it logged), one that did not is ``timeout``; either stops that kind
-(neither is an out-of-memory). ``--kinds`` runs only stock or only HyScale.
-
-A kind stops at its first out-of-memory: a log that contains ``torch.OutOfMemoryError``,
-``CUDA out of memory`` or ``out of memory``, or a process killed by SIGKILL (the kernel's OOM
-killer: return code -9, or 137 through a shell or launcher). Any other non-zero exit (or a run
-that logged no iteration) is reported as ``error`` with its first error line, stops that kind
-too, and makes the command exit 1.
-
-Writes into ``--out``: ``longest.csv`` (kind, seq_len, status ok/oom/error, median_step_ms,
-tokens_per_s, peak_mem_bytes, replay_store_bytes, error), ``longest.md`` (table and "stock's
-longest trainable length: X; HyScale's: Y") and ``L<seq_len>/{stock,hyscale}.{log,jsonl}``.
-
-Refuses (exit 2, nothing run) what ``hyscale-compare`` refuses, configs without full recompute
-(``--recompute-granularity full``) and ``--no-hyscale-replay``.
+Writes into ``--out``: ``meta.json``, ``longest.csv`` (kind, seq_len, status, median step time,
+tokens/s, peak memory, replay store, iterations, error line), ``longest.md`` (both kinds side by
+side and "stock's longest trainable length: X; HyScale's: Y") and ``L<seq_len>/<kind>.{log,jsonl}``.
+``--kinds`` runs one kind, ``--merge`` joins sweeps. Refuses (one line, exit 2, nothing run) what
+``hyscale-compare`` refuses, configs without ``--recompute-granularity full`` and
+``--no-hyscale-replay``.
 """
 
 from __future__ import annotations
@@ -43,18 +31,19 @@ import json
 import re
 import shlex
 import signal
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from . import compare
-from .train import TrainConfigError, expand_arg_files
+from .common import (CPU_TIMING_NOTE, RUNS, OneLineParser, UsageError, add_run_options, check_like_for_like, check_out_dir,
+                     check_run_flags, csv_value, expand_arg_files, flag_names, flag_value, launch_prefix,
+                     positive_int, read_metrics, run_flags, run_meta, run_process, split_flags, steady_medians,
+                     stock_backend, tool_main)
 
 PROG = "hyscale-longest"
 LONGEST_HYSCALE_FLAGS = ("--hyscale-replay", "--hyscale-replay-offload", "--no-hyscale-replay-prefetch")
-KINDS = compare.RUNS  # ("stock", "hyscale"): stock first at each length
+KINDS = RUNS  # ("stock", "hyscale"): stock first at each length
 DEFAULT_SEQ_LENGTHS = (32768, 131072, 524288, 1048576)
 DEFAULT_CONFIG = "configs/deepseek_v32_longest.args"
 CSV_FIELDS = ("kind", "seq_len", "status", "median_step_ms", "tokens_per_s", "peak_mem_bytes", "replay_store_bytes",
@@ -70,11 +59,17 @@ _ERROR_LINE = re.compile(r"^\s*(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(Error|Exceptio
 Runner = Callable[[str, list, Path], int]
 
 
-class LongestRefused(ValueError):
-    """The requested sweep cannot show what it is for; the message says why."""
-
-
 # ----------------------------------------------------------------------------- options
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return v
+
+
 def _seq_lengths(text: str) -> list[int]:
     try:
         vals = [int(v) for v in text.replace(" ", "").split(",") if v]
@@ -86,31 +81,26 @@ def _seq_lengths(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog=PROG, allow_abbrev=False,
         description="Train stock DSA and HyScale at increasing sequence lengths (full recompute + replay) "
                     "until each runs out of memory. Unknown arguments are hyscale-train / Megatron flags shared "
                     f"by every run (default config: @{DEFAULT_CONFIG}).")
-    p.add_argument("--out", default="runs/longest", help="Output directory (default runs/longest).")
+    add_run_options(p, "runs/longest")
     p.add_argument("--seq-lengths", type=_seq_lengths, default=list(DEFAULT_SEQ_LENGTHS),
                    help="Comma-separated sequence lengths, tried in increasing order "
                         "(default 32768,131072,524288,1048576).")
-    p.add_argument("--iters", type=int, default=3, help="Training iterations per run (default 3).")
-    p.add_argument("--stock-backend", choices=("auto", "none", "tilelang", "cudnn"), default="auto",
-                   help="Stock DSA kernel backend, as in hyscale-compare (auto: tilelang on CUDA when importable).")
-    p.add_argument("--hyscale-args", default="", help="Extra --hyscale-* flags for the HyScale runs only.")
-    p.add_argument("--launcher", default="", help="Command prefix for each run (default: this Python).")
-    p.add_argument("--core-loop", action="store_true", help="Pass --hyscale-core-loop to every run.")
-    p.add_argument("--run-timeout-s", type=float, default=None,
+    p.add_argument("--iters", type=positive_int, default=3, help="Training iterations per run (default 3).")
+    p.add_argument("--run-timeout-s", type=_positive_seconds, default=None,
                    help="Wall-clock limit per run (coreutils timeout). A run that hits it is 'timeout' (or "
                         "'partial' when it finished at least one iteration) and its kind stops: longer lengths "
                         "would not be faster. Default: no limit.")
     p.add_argument("--merge", default="",
                    help="Do not train: merge the longest.csv (+ meta.json) of these comma-separated output "
-                        "directories (e.g. a stock-only and a HyScale-only session) into --out.")
+                        "directories (e.g. a stock-only and a HyScale-only sweep) into --out.")
     p.add_argument("--kinds", default="stock,hyscale",
                    help="Which runs, comma-separated: stock, hyscale or both (default both), e.g. to split a "
-                        "sweep over several sessions.")
+                        "sweep over several calls.")
     return p
 
 
@@ -119,7 +109,7 @@ def _default_config() -> str:
     here = Path(DEFAULT_CONFIG)
     if here.is_file():
         return f"@{here}"
-    return f"@{Path(__file__).resolve().parents[1] / DEFAULT_CONFIG}"
+    return f"@{Path(__file__).resolve().parents[2] / DEFAULT_CONFIG}"
 
 
 def with_default_config(rest: Sequence[str]) -> list[str]:
@@ -128,16 +118,16 @@ def with_default_config(rest: Sequence[str]) -> list[str]:
 
 
 def check_longest(shared: Sequence[str], hyscale_only: Sequence[str] = ()) -> None:
-    """Raise :class:`LongestRefused` / :class:`compare.CompareRefused` for a sweep that would not
-    compare stock and HyScale like for like under full recompute + replay."""
-    compare.check_like_for_like(shared, hyscale_only)
-    if compare._flag_value(shared, "--recompute-granularity") != "full":
-        raise LongestRefused(
+    """Raise :class:`UsageError` for a sweep that would not compare stock and HyScale like for like
+    under full recompute + replay."""
+    check_like_for_like(shared, hyscale_only)
+    if flag_value(shared, "--recompute-granularity") != "full":
+        raise UsageError(
             "refusing a config without full activation recompute: the longest-sequence mode trains with "
             "--recompute-granularity full (and --recompute-method uniform --recompute-num-layers 1), where "
             "stock re-runs indexer scoring + top-k in the backward and HyScale replays its selection.")
-    if "--no-hyscale-replay" in compare._flags([*shared, *hyscale_only]):
-        raise LongestRefused("refusing --no-hyscale-replay: the longest-sequence mode runs HyScale with "
+    if "--no-hyscale-replay" in flag_names([*shared, *hyscale_only]):
+        raise UsageError("refusing --no-hyscale-replay: the longest-sequence mode runs HyScale with "
                              "selection replay (it adds --hyscale-replay itself).")
 
 
@@ -189,24 +179,22 @@ def classify(rc: int, log_text: str, records: list[dict], timeout_s: Optional[fl
 
 def run_metrics(records: list[dict]) -> dict:
     """Median step time / tokens/s without the warm-up iteration (as hyscale-compare), peaks over all."""
-    steady = records[1:] if len(records) > 1 else records
-    return dict(iterations=len(records), median_step_ms=statistics.median(r["step_ms"] for r in steady),
-                tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
-                peak_mem_bytes=max(int(r["peak_mem_bytes"]) for r in records),
-                replay_store_bytes=max(int(r.get("replay_store_bytes") or 0) for r in records))
+    m = steady_medians(records)
+    m["tokens_per_s"] = m.pop("median_tokens_per_s")
+    return m
 
 
 # ----------------------------------------------------------------------------- the sweep
 def default_runner(kind: str, cmd: list, run_dir: Path) -> int:
-    rc, wall, _ = compare.run_process(kind, cmd, run_dir, prog=PROG)
+    rc, wall, _ = run_process(kind, cmd, run_dir, PROG)
     print(f"[{PROG}] {kind}: exit code {rc} after {wall:.1f} s", flush=True)
     return rc
 
 
 def _read_records(path: Path) -> list[dict]:
     try:
-        return compare.read_metrics(path)
-    except (RuntimeError, ValueError):
+        return read_metrics(path)
+    except RuntimeError:
         return []
 
 
@@ -214,7 +202,7 @@ def _kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(k for k in text.replace(" ", "").split(",") if k)
     bad = [k for k in kinds if k not in KINDS]
     if not kinds or bad:
-        raise LongestRefused(f"--kinds wants a comma-separated subset of {', '.join(KINDS)}, got {text!r}")
+        raise UsageError(f"--kinds wants a comma-separated subset of {', '.join(KINDS)}, got {text!r}")
     return tuple(k for k in KINDS if k in kinds)  # stock first
 
 
@@ -236,7 +224,8 @@ def sweep(opts, rest: Sequence[str], out: Path, runner: Runner = default_runner)
         run_dir = out / f"L{seq}"
         run_dir.mkdir(parents=True, exist_ok=True)
         shared = [*rest, "--seq-length", str(seq), "--max-position-embeddings", str(seq)]
-        cmds = compare.run_commands(opts, shared, run_dir)
+        prefix = launch_prefix(opts.launcher)
+        cmds = {k: [*prefix, *flags] for k, flags in run_flags(opts, shared, run_dir, opts.iters).items()}
         for kind in KINDS:
             if kind in stopped:
                 continue
@@ -276,7 +265,7 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         w = csv.writer(f)
         w.writerow(CSV_FIELDS)
         for r in rows:
-            w.writerow([compare._fmt(r.get(k)) for k in CSV_FIELDS])
+            w.writerow([csv_value(r.get(k)) for k in CSV_FIELDS])
 
 
 def _verdict(rows: list[dict], kind: str, lengths: list[int]) -> str:
@@ -335,7 +324,7 @@ def merge(dirs: Sequence[str]) -> tuple[list[dict], list[int], dict, int]:
     for d in dirs:
         path = Path(d) / "longest.csv"
         if not path.exists():
-            raise LongestRefused(f"--merge: {path} does not exist")
+            raise UsageError(f"--merge: {path} does not exist")
         for r in read_csv(path):
             by[(r["kind"], r["seq_len"])] = r
         if not (Path(d) / "meta.json").exists():
@@ -346,7 +335,7 @@ def merge(dirs: Sequence[str]) -> tuple[list[dict], list[int], dict, int]:
         else:  # rows of one table must come from the same model, GPU and software
             for key in _MERGE_SAME:
                 if m.get(key) != meta.get(key):
-                    raise LongestRefused(
+                    raise UsageError(
                         f"--merge: {d} ran with {key}={m.get(key)!r}, an earlier directory with "
                         f"{meta.get(key)!r}; merge only sweeps of one config, device and version set")
         if m.get("date") and m["date"] not in dates:
@@ -354,7 +343,7 @@ def merge(dirs: Sequence[str]) -> tuple[list[dict], list[int], dict, int]:
         if m.get("hyscale_args") is not None and m["hyscale_args"] not in flags:
             flags.append(m["hyscale_args"])
     if meta is None:
-        raise LongestRefused(f"--merge: none of {list(dirs)} has a meta.json (device, versions, date, config)")
+        raise UsageError(f"--merge: none of {list(dirs)} has a meta.json (device, versions, date, config)")
     meta = dict(meta, date=", ".join(dates) or meta.get("date", "?"), merged_from=[str(d) for d in dirs])
     if flags:
         meta["hyscale_args"] = " | ".join(flags)
@@ -378,7 +367,9 @@ def markdown(rows: list[dict], lengths: list[int], meta: dict, iters: int) -> st
     lines = [
         "# Longest trainable sequence: stock DSA vs HyScale",
         "",
-        f"- config: `{meta['config']}`; {iters} iterations per run; full recompute; HyScale with selection replay",
+        *([f"- command: `{meta['command']}`"] if meta.get("command") else []),
+        f"- training flags: `{meta['config']}`; {iters} iterations per run; full recompute; HyScale with "
+        "selection replay",
         f"- device: {meta['device_name']}; torch {meta['torch']}; megatron-core {meta['megatron']}; {meta['date']}",
         f"- stock backend: `--dsa-kernel-backend {meta['stock_backend']}`; each (kind, length) a separate process",
         *([f"- HyScale flags added by hyscale-longest: `{meta['hyscale_args']}`"] if meta.get("hyscale_args") else []),
@@ -417,54 +408,47 @@ def markdown(rows: list[dict], lengths: list[int], meta: dict, iters: int) -> st
         lines += ["", "Stopped runs:", ""]
         lines += [f"- {r['kind']} at {r['seq_len']}: {r['status'].upper()} -- `{r['error']}`" for r in errs]
     if meta.get("device") != "cuda":
-        lines += ["", "CPU run: shows the mechanics only; the lengths that matter are measured on the GPU."]
+        lines += ["", "CPU run: it shows the mechanics only; the lengths that matter are measured on the GPU. "
+                  + CPU_TIMING_NOTE]
     return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- entry point
-def main(argv: Optional[Sequence[str]] = None, runner: Runner = default_runner) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _main(argv: list[str], runner: Runner) -> int:
     opts, rest = _parser().parse_known_args(argv)
-    if opts.iters < 1:
-        print(f"{PROG}: --iters must be >= 1", file=sys.stderr)
-        return 2
-    if opts.run_timeout_s is not None and opts.run_timeout_s <= 0:
-        print(f"{PROG}: --run-timeout-s must be > 0 seconds, got {opts.run_timeout_s:g}", file=sys.stderr)
-        return 2
+    out = Path(opts.out)
+    check_out_dir(out)
     if opts.merge:
-        try:
-            rows, lengths, meta, iters = merge([d for d in opts.merge.split(",") if d])
-        except LongestRefused as exc:
-            print(f"{PROG}: {exc}", file=sys.stderr)
-            return 2
-        Path(opts.out).mkdir(parents=True, exist_ok=True)
-        (Path(opts.out) / "meta.json").write_text(json.dumps(meta, indent=1))
-        return _write_outputs(Path(opts.out), rows, lengths, meta, iters)
+        rows, lengths, meta, iters = merge([d for d in opts.merge.split(",") if d])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "meta.json").write_text(json.dumps(meta, indent=1))
+        return _write_outputs(out, rows, lengths, meta, iters)
     rest = with_default_config(rest)
-    hyscale_only = shlex.split(opts.hyscale_args)
-    try:
-        shared = expand_arg_files(rest)
-        check_longest(shared, hyscale_only)
-        _kinds(opts.kinds)
-    except (compare.CompareRefused, LongestRefused, TrainConfigError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+    hyscale_only = split_flags(opts.hyscale_args, "--hyscale-args")
+    check_longest(expand_arg_files(rest), hyscale_only)
+    _kinds(opts.kinds)
     # replay, its store in pinned host memory, each entry copied back only when its recompute reads
     # it (no prefetch: one [T, topk] int32 entry less on the GPU, 8 GiB at 1M); given flags come later
     # and win
     opts.hyscale_args = shlex.join([*LONGEST_HYSCALE_FLAGS, *hyscale_only])
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = compare._meta(opts, rest, compare.stock_backend(opts.stock_backend))
+    seq = opts.seq_lengths[0]
+    check_run_flags(run_flags(opts, [*rest, "--seq-length", str(seq), "--max-position-embeddings", str(seq)],
+                              out, opts.iters))
+    meta = run_meta(PROG, argv, rest, stock_backend(opts.stock_backend), opts.iters)
     t0 = time.perf_counter()
     print(f"[{PROG}] {' '.join(t for t in rest if t.startswith('@'))}: seq lengths {opts.seq_lengths}, "
           f"{opts.iters} iterations each, stock backend {meta['stock_backend']}", flush=True)
     meta = dict(meta, iters=opts.iters, hyscale_args=opts.hyscale_args)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     rows = sweep(opts, rest, out, runner)
     rc = _write_outputs(out, rows, opts.seq_lengths, meta, opts.iters)
     print(f"[{PROG}] {time.perf_counter() - t0:.1f} s total", flush=True)
     return rc
+
+
+def main(argv: Optional[Sequence[str]] = None, runner: Runner = default_runner) -> int:
+    return tool_main(PROG, lambda a: _main(a, runner), sys.argv[1:] if argv is None else argv)
 
 
 def _write_outputs(out: Path, rows: list[dict], lengths: list[int], meta: dict, iters: int) -> int:

@@ -1,64 +1,43 @@
 """``hyscale-train``: train a GPT with DSA layers (stock or HyScale) using Megatron's own flags.
 
-Usage (any Megatron ``pretrain_gpt.py`` flags, plus HyScale's)::
+Usage (any Megatron ``pretrain_gpt.py`` flags, plus HyScale's; docs/training.md has the details)::
 
     hyscale-train @configs/tiny_cpu.args --hyscale                      # CPU, core loop
-    torchrun --nproc-per-node 8 -m hyscale_megatron.train \\
-        @configs/deepseek_v32_8gpu.args --tensor-model-parallel-size 2 \\
+    torchrun --nproc-per-node 8 -m hyscale_megatron.tools.train \\
+        @configs/deepseek_v32_multigpu.args --tensor-model-parallel-size 2 \\
         --spec hyscale_megatron.specs hyscale_block_spec --hyscale       # GPUs, Megatron pretrain
+    hyscale-train --help-hyscale                                        # HyScale's flags only
 
-``@FILE`` arguments are replaced by the flags in FILE (shell-like quoting, ``#`` comments).
+``@FILE`` arguments are replaced by the flags in FILE (shell-like quoting, ``#`` comments). The flags
+are Megatron's parser (``parse_and_validate_args``) with ``add_hyscale_args`` and this module's
+``--hyscale-core-loop`` / ``--hyscale-metrics-file`` / ``--hyscale-run-name``; a bad command gets one
+line and exit code 2 before anything is built. Without ``--spec`` a DSA model gets
+``hyscale_megatron.specs hyscale_block_spec`` (``--hyscale``, the default) or ``stock_block_spec``
+(``--no-hyscale``); the HyScale settings reach ``runtime.set_config`` before any model is built.
 
-Two back-ends, same flags (Megatron's own parser, ``parse_and_validate_args``, with
-``add_hyscale_args`` plus this module's ``--hyscale-core-loop`` / ``--hyscale-metrics-file`` /
-``--hyscale-run-name``):
+Two back-ends, same flags, same model builder, datasets, batch and loss functions:
 
-(a) **Megatron ``pretrain``** -- the default when CUDA is available. Exactly what
-    Megatron-LM's ``pretrain_gpt.py`` does for a GPT: ``gpt_config_from_args`` builds a
-    ``GPTModelConfig`` whose ``transformer_layer_spec`` is the ``--spec`` callable
-    (``hyscale_megatron.specs hyscale_block_spec`` or ``stock_block_spec``; chosen from
-    ``--hyscale/--no-hyscale`` when ``--spec`` is absent), Megatron's ``GPTModelBuilder`` builds
-    and wraps the model (DDP / distributed optimizer / any TP, PP, VPP, CP, DP layout Megatron
-    accepts), and the data is ``MockGPTDataset`` (``--mock-data``, the default when no
-    ``--data-path`` is given) or Megatron indexed data (``GPTDataset``, ``--data-path``). The
-    HyScale settings are parsed from the flags and installed with ``runtime.set_config`` before
-    any model is built. Overlays: ``hyscale_patches.training_compat`` (skips the wheel's
-    ``compile_helpers`` ``make`` step).
+(a) Megatron's ``pretrain`` (the default with CUDA): what ``pretrain_gpt.py`` does for a GPT, with
+    Megatron's ``GPTModelBuilder``, optimizer, any TP / PP / VPP / CP / DP layout, checkpointing.
+(b) the core loop (the default without CUDA, or ``--hyscale-core-loop``): megatron.core's pipeline
+    schedules, Megatron's data sampler and a plain ``torch.optim.AdamW``; gloo or NCCL, world size 1
+    or more under torchrun; no checkpointing or evaluation; tied embeddings need PP=1.
 
-(b) **core loop** -- the default without CUDA, or with ``--hyscale-core-loop``. A small loop
-    around megatron.core's own pipeline schedules (``get_forward_backward_func``: no pipelining,
-    1F1B, interleaved), the same model builder, batch function, loss function and datasets as
-    (a), Megatron's data sampler (``build_pretraining_data_loader``), and a plain
-    ``torch.optim.AdamW`` (``--lr``, ``--min-lr``, ``--lr-warmup-iters``, ``--lr-decay-style``
-    constant/linear/cosine, ``--adam-beta1/2``, ``--adam-eps``, ``--weight-decay``,
-    ``--clip-grad``). Megatron's ``get_megatron_optimizer`` needs DDP-wrapped models with
-    contiguous grad buffers and CUDA streams, far more CPU shimming than it is worth for the
-    tiny configs. Data-parallel gradients are averaged with one ``all_reduce`` per parameter;
-    grad-norm clipping is per rank (exact at TP=1). Runs on gloo (CPU) or NCCL (GPU), world size 1
-    or more under ``torchrun``. No checkpointing, no evaluation. Tied embeddings need PP=1 here
-    (use ``--untie-embeddings-and-output-weights`` with PP > 1).
-
-Per-iteration log line, on the last rank, in Megatron's format::
-
-    [2026-...] iteration 3/10 | consumed samples: 3 | elapsed time per iteration (ms): 812.4 |
-    tokens/s: 315 | learning rate: 1.000000E-03 | global batch size: 1 | lm loss: 4.85E+00 |
-    indexer loss: 1.23E-02 | peak memory (MB): 612.1 |
-
-``--hyscale-metrics-file PATH`` also appends one JSON object per iteration to PATH (iteration,
-lm_loss, indexer_loss, step_ms, tokens_per_s, peak_mem_bytes, replay_store_bytes, lr, ...);
-``hyscale-compare`` reads these. Peak memory is ``torch.cuda.max_memory_allocated()`` on GPU and
-the process's peak resident set size (``ru_maxrss``) on CPU.
+Every iteration is logged in Megatron's format (loss, indexer loss, step time, tokens/s, peak
+memory, replay store); ``--hyscale-metrics-file PATH`` also appends it as one JSON object per line,
+which ``hyscale-compare`` reads. Unless ``TORCH_EXTENSIONS_DIR`` is set, C++ extensions Megatron
+compiles on first use are cached in the virtual environment (``<venv>/torch_extensions``).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
-import logging
 import math
 import os
+import re
 import resource
-import shlex
 import sys
 import time
 from datetime import datetime
@@ -68,35 +47,18 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import runtime
-from ._log import logger
-from .arguments import add_hyscale_args, hyscale_config_from_args
+from .. import runtime
+from .._log import logger
+from ..arguments import add_hyscale_args, hyscale_config_from_args
+from ..config import HyScaleConfigError
+from .common import (HYSCALE_SPEC, SPEC_MODULE, STOCK_SPEC, OneLineParser, UsageError, expand_arg_files,
+                     tool_main, topk_note)
 
-SPEC_MODULE = "hyscale_megatron.specs"
-HYSCALE_SPEC = "hyscale_block_spec"
-STOCK_SPEC = "stock_block_spec"
+PROG = "hyscale-train"
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
-class TrainConfigError(ValueError):
-    """The training flags cannot run; the message says how to fix them."""
-
-
 # ----------------------------------------------------------------------------- arguments
-def expand_arg_files(argv: Sequence[str]) -> list[str]:
-    """Replace every ``@FILE`` by the flags in FILE (shlex quoting, ``#`` comments, nesting)."""
-    out: list[str] = []
-    for tok in argv:
-        if tok.startswith("@") and len(tok) > 1:
-            path = Path(tok[1:])
-            if not path.is_file():
-                raise TrainConfigError(f"argument file {path} (from {tok!r}) does not exist")
-            out.extend(expand_arg_files(shlex.split(path.read_text(), comments=True)))
-        else:
-            out.append(tok)
-    return out
-
-
 def add_train_args(parser):
     """``extra_args_provider``: HyScale's flags plus the ones of this entry point."""
     add_hyscale_args(parser)
@@ -108,13 +70,64 @@ def add_train_args(parser):
                        help="Append one JSON object per iteration (loss, step time, memory) to this file.")
     group.add_argument("--hyscale-run-name", type=str, default=None,
                        help="Label of this run in the log and the metrics file (default: stock/hyscale).")
+    group.add_argument("--help-hyscale", action="store_true", default=False,
+                       help="Print only the HyScale and hyscale-train flags and exit.")
     return parser
+
+
+# a %-format conversion of argparse's help expansion; any other '%' is a literal percent sign
+_HELP_FORMAT = re.compile(r"%%|%\([^)]*\)[-#0 +]*\d*(?:\.\d+)?[a-zA-Z]|%")
+
+
+def _escape_help(text: Optional[str]) -> Optional[str]:
+    """Escape literal '%' signs (e.g. megatron-core's "1.10 = 10%)") so that argparse can expand the help."""
+    if not text:
+        return text
+    return _HELP_FORMAT.sub(lambda m: "%%" if m.group(0) == "%" else m.group(0), text)
+
+
+def build_parser(hyscale_only: bool = False, parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """hyscale-train's parser, HyScale's groups first; with ``hyscale_only`` without Megatron's flags."""
+    p = parser_class(prog=PROG, allow_abbrev=False, usage=f"{PROG} [@FILE ...] [FLAGS ...]", description=(
+        "Train a GPT with DSA layers, stock or HyScale, with Megatron's flags (@FILE reads flags from FILE). "
+        + ("This lists HyScale's flags; hyscale-train --help lists Megatron's too." if hyscale_only else
+           "HyScale's flags come first; hyscale-train --help-hyscale lists only them.")))
+    add_train_args(p)
+    if not hyscale_only:
+        from megatron.training.arguments import add_megatron_arguments  # noqa: PLC0415
+
+        add_megatron_arguments(p)
+    for action in p._actions:
+        action.help = _escape_help(action.help)
+    return p
+
+
+_CHECK_PARSER: Optional[argparse.ArgumentParser] = None
+
+
+def check_flags(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``argv`` (``@FILE`` expanded) with Megatron's parser and HyScale's flags, without Megatron's
+    validation (that depends on the launcher's world size), and check the HyScale settings.
+    Raises :class:`UsageError` with one line."""
+    global _CHECK_PARSER
+    if _CHECK_PARSER is None:
+        _CHECK_PARSER = build_parser(parser_class=OneLineParser)
+    args = _CHECK_PARSER.parse_args(expand_arg_files(argv))
+    try:
+        hyscale_config_from_args(args)
+    except HyScaleConfigError as exc:
+        raise UsageError(str(exc)) from None
+    if args.train_iters is None and getattr(args, "train_samples", None) is None:
+        raise UsageError("give the number of iterations: --train-iters N")
+    if args.train_iters is not None and args.train_iters < 1:
+        raise UsageError(f"--train-iters must be >= 1, got {args.train_iters}")
+    return args
 
 
 @contextlib.contextmanager
 def _argv(argv: Sequence[str]):
     saved = sys.argv
-    sys.argv = [saved[0] if saved else "hyscale-train", *argv]
+    sys.argv = [saved[0] if saved else PROG, *argv]
     try:
         yield
     finally:
@@ -347,7 +360,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 def replay_store_bytes() -> Optional[int]:
     """Bytes held by HyScale's selection-replay store, when that module exists."""
     try:
-        from . import replay  # noqa: PLC0415
+        from .. import replay  # noqa: PLC0415
     except ImportError:
         return None
     fn = getattr(replay, "store_stats", None)
@@ -372,11 +385,11 @@ def replay_store_bytes() -> Optional[int]:
 def _check_replay_store_empty(iteration: int) -> None:
     """Every replay entry is consumed by its recompute within the step; leftovers mean a forward
     ran without its backward. Clear them (logged once) so no stale indices survive the step."""
-    from . import replay  # noqa: PLC0415
+    from .. import replay  # noqa: PLC0415
 
     store = replay.get_store()
     if len(store):
-        logging.getLogger("hyscale_megatron").warning(
+        logger.warning(
             "iteration %d: replay store still holds %d entries (%s) after the step; clearing",
             iteration, len(store), store.keys()[:4])
         store.clear(warn=False)
@@ -445,15 +458,15 @@ def _init_distributed(args) -> None:
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            from .env import _free_port  # noqa: PLC0415
+            from ..env import free_port  # noqa: PLC0415
 
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", args.rank % torch.cuda.device_count())))
         torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=args.rank, world_size=args.world_size)
     elif torch.distributed.get_world_size() != args.world_size:
-        raise TrainConfigError(f"process group has world size {torch.distributed.get_world_size()}, "
+        raise UsageError(f"process group has world size {torch.distributed.get_world_size()}, "
                                f"the flags say {args.world_size} (WORLD_SIZE)")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -468,7 +481,7 @@ def _init_distributed(args) -> None:
 def _seed(args) -> None:
     from megatron.core import parallel_state  # noqa: PLC0415
 
-    from .env import seed_all  # noqa: PLC0415
+    from ..env import seed_all  # noqa: PLC0415
 
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
@@ -482,7 +495,7 @@ def _seed(args) -> None:
 
 def _check_core_loop_args(args) -> None:
     if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
-        raise TrainConfigError("the core loop does not sync tied embedding gradients across pipeline stages: "
+        raise UsageError("the core loop does not sync tied embedding gradients across pipeline stages: "
                                "add --untie-embeddings-and-output-weights, or use Megatron's pretrain (GPU)")
     for flag in ("load", "save"):
         if getattr(args, flag, None):
@@ -676,14 +689,14 @@ def _metrics_train_step(original, args):
 
 
 def _single_process_rendezvous() -> None:
-    """Outside torchrun (one GPU, ``python -m hyscale_megatron.train``), Megatron's env://
+    """Outside torchrun (one GPU, ``python -m hyscale_megatron.tools.train``), Megatron's env://
     rendezvous still needs MASTER_ADDR/PORT, RANK, WORLD_SIZE and LOCAL_RANK: default them."""
     if "WORLD_SIZE" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ or not torch.cuda.is_available():
         return
-    from .env import _free_port  # noqa: PLC0415
+    from ..env import free_port  # noqa: PLC0415
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
@@ -714,19 +727,56 @@ def choose_backend(args) -> str:
     return "core-loop" if (args.hyscale_core_loop or not torch.cuda.is_available()) else "pretrain"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def venv_extensions_dir() -> Optional[Path]:
+    """``<venv>/torch_extensions`` when this Python runs in a writable virtual environment, else None."""
+    if sys.prefix == sys.base_prefix or not os.access(sys.prefix, os.W_OK):
+        return None
+    return Path(sys.prefix) / "torch_extensions"
+
+
+def use_venv_extensions_dir() -> None:
+    """Unless ``TORCH_EXTENSIONS_DIR`` is set, build and cache torch C++ extensions in the venv: built
+    once per environment, by its own torch, with no lock shared with other environments."""
+    path = venv_extensions_dir()
+    if "TORCH_EXTENSIONS_DIR" not in os.environ and path is not None:
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(path)
+
+
+def _parse_or_usage_error(argv: Sequence[str]):
+    """``parse_train_args``, with Megatron's validation failures turned into one line."""
+    import traceback  # noqa: PLC0415
+
     try:
-        args = parse_train_args(argv)
-    except TrainConfigError as exc:
-        print(f"hyscale-train: error: {exc}", file=sys.stderr)
-        return 2
-    backend = choose_backend(args)
-    if backend == "core-loop":
+        return parse_train_args(argv)
+    except UsageError:
+        raise
+    except (AssertionError, ValueError) as exc:
+        msg = str(exc) or f"assertion failed: {traceback.extract_tb(exc.__traceback__)[-1].line}"
+        raise UsageError(f"Megatron's argument validation refuses the flags: {msg}") from None
+
+
+def _main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        build_parser().print_help()
+        return 0
+    if "--help-hyscale" in argv:
+        build_parser(hyscale_only=True).print_help()
+        return 0
+    check_flags(argv)
+    use_venv_extensions_dir()
+    args = _parse_or_usage_error(argv)
+    note = topk_note(getattr(args, "dsa_indexer_topk", None), args.seq_length)
+    if note and args.rank == 0:
+        print(f"{PROG}: note: {note}", flush=True)
+    if choose_backend(args) == "core-loop":
         run_core_loop(args)
     else:
         run_pretrain(args)
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return tool_main(PROG, _main, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
