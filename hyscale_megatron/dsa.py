@@ -96,6 +96,10 @@ class _Compute:
 
     def use_fused_kernels(self, config):
         """Everything runs here, so stock's optional TileLang/cuDNN hooks are not consulted."""
+        backend = getattr(config, "dsa_kernel_backend", None)
+        if backend not in (None, "none", "hyscale"):
+            log_once("declined-hooks", "hyscale: HyScaleDSAttention runs selection, sparse attention and indexer "
+                     "loss itself: stock's dsa_kernel_backend=%r hooks are not used by its layers", backend)
         return False
 
     # --- selection -----------------------------------------------------------------------

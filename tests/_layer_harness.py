@@ -65,6 +65,7 @@ class Inputs:
     qr: torch.Tensor
     packed_seq_params: object = None
     position_ids: Optional[torch.Tensor] = None
+    attention_mask: Optional[torch.Tensor] = None
 
 
 def inputs(cfg, absorbed: bool, s: int = 16, b: int = 2, heads: Optional[int] = None, seqlens=None,
@@ -159,7 +160,7 @@ def run(layers, inp: Inputs, train: bool = True, grad_seed: int = 1) -> dict:
         for layer in layers:
             layer.train(train)
             layer.zero_grad(set_to_none=True)
-            outs.append(layer(leaves["query"], leaves["key"], leaves.get("value"), None, inp.x, inp.qr,
+            outs.append(layer(leaves["query"], leaves["key"], leaves.get("value"), inp.attention_mask, inp.x, inp.qr,
                               position_ids=inp.position_ids, attn_mask_type=AttnMaskType.causal,
                               packed_seq_params=inp.packed_seq_params, up_v_weight=leaves.get("up_v_weight")))
     grads = {}

@@ -56,6 +56,21 @@ def test_packed_thd_matches_stock(absorbed, loss):
     H.assert_same(got, want, TOL[torch.float32], f"packed THD {loss}")
 
 
+@pytest.mark.parametrize("loss", ["sparse", "dense"])
+@pytest.mark.parametrize("absorbed", [False, True], ids=["per_head", "absorbed"])
+def test_explicit_attention_mask_matches_stock(absorbed, loss):
+    """An additive float mask [b, 1, s, s]: causal, and in the second sequence keys 3-5 hidden from every row
+    (the general-mask selection path; the dense stage's loss then runs stock's own, with our selection)."""
+    cfg = H.config(dsa_indexer_use_sparse_loss=loss == "sparse", dsa_indexer_topk=8)
+    s, b = 16, 2
+    mask = torch.triu(torch.full((b, 1, s, s), float("-inf")), diagonal=1)
+    mask[1, :, 6:, 3:6] = float("-inf")
+    stock, ours = H.cores(cfg)
+    inp = H.inputs(cfg, absorbed, s=s, b=b)
+    inp.attention_mask = mask
+    H.assert_same(H.run(ours, inp), H.run(stock, inp), TOL[torch.float32], f"explicit mask {loss}")
+
+
 @pytest.mark.parametrize("absorbed", [False, True], ids=["per_head", "absorbed"])
 def test_index_share_matches_stock(absorbed):
     """dsa_indexer_topk_freq 2: layer 2 reads layer 1's selection (HyScale serves it from its
@@ -203,3 +218,27 @@ def test_parallel_layer_matches_stock(parallel_results, case):
         if "dense" in case or "sparse" in case:
             assert want["loss"] is not None, f"{case}: stock logged no indexer loss on rank {rank}"
         H.assert_same(got, want, TOL[torch.float32], f"{case} rank {rank}")
+
+
+def test_stock_fused_hooks_are_declined_and_logged(caplog):
+    """HyScale's layer computes everything itself: with a stock fused backend configured, stock's hooks are not
+    called (one log line says so) and the result is stock's with its hooks off."""
+    from megatron.core.transformer.experimental_attention_variant import dsa_kernels
+
+    cfg = H.config(dsa_indexer_topk=8)
+    stock, ours = H.cores(cfg)
+    inp = H.inputs(cfg, True)
+    want = H.run(stock, inp)
+    ours[0].config.dsa_kernel_backend = "tilelang"
+    called = []
+    orig = dsa_kernels.run_fused_dsa_attention
+    dsa_kernels.run_fused_dsa_attention = lambda *a, **kw: called.append(1) or orig(*a, **kw)
+    try:
+        with caplog.at_level(logging.INFO, logger="hyscale_megatron"):
+            got = H.run(ours, inp)
+    finally:
+        dsa_kernels.run_fused_dsa_attention = orig
+        ours[0].config.dsa_kernel_backend = "none"
+    assert not called
+    assert any("hooks are not used" in r.getMessage() for r in caplog.records)
+    H.assert_same(got, want, TOL[torch.float32], "declined hooks")
