@@ -34,7 +34,7 @@ def env_info() -> dict:
 
 def kernels_sha() -> str:
     """Short sha256 of kernels/**/*.py: names the kernel code that ran even where git metadata is stale
-    (the device copy reported an old commit in session 6)."""
+    (a copied checkout's git metadata may name another commit)."""
     import hashlib
 
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels")

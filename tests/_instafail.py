@@ -1,6 +1,6 @@
 """pytest plugin (loaded by conftest.py): with HYSCALE_TEST_INSTAFAIL=1 a failing test's report is written to stderr
 as soon as it fails, not only in the end-of-run summary. Device calls run under a hard time limit (bench/device_env.sh
-sets the variable): a run cut off by it never reaches the summary, and the failure's message was lost (session 23)."""
+sets the variable): a run cut off by it never reaches the summary, so its failures would be lost."""
 
 from __future__ import annotations
 
