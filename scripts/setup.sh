@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# Create ./.venv (Python 3.12) with hyscale-megatron installed editable plus test extras.
+# Create a Python 3.12 virtualenv with hyscale-megatron installed editable plus test extras.
+#   bash scripts/setup.sh           .venv         the pinned versions (constraints.txt: the oldest supported)
+#   bash scripts/setup.sh --latest  .venv-latest  the newest supported releases (constraints-latest.txt)
 # Idempotent: a second run only re-installs the project itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VENV=.venv
+CONSTRAINTS=constraints.txt
+case "${1:-}" in
+  "") ;;
+  --latest) VENV=.venv-latest; CONSTRAINTS=constraints-latest.txt ;;
+  *) echo "usage: bash scripts/setup.sh [--latest]" >&2; exit 2 ;;
+esac
 
 find_python() {
   for cand in "${HYSCALE_PYTHON:-}" python3.12; do
@@ -31,13 +40,13 @@ need_disk() {
   fi
 }
 
-if [ ! -x .venv/bin/python ]; then
+if [ ! -x "$VENV/bin/python" ]; then
   need_disk . 6
   need_disk "${TMPDIR:-/tmp}" 1
   PY=$(find_python)
-  echo "setup: creating .venv with $PY"
-  "$PY" -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
+  echo "setup: creating $VENV with $PY"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
-.venv/bin/python -c "import torch, megatron.core, hyscale_megatron; print('setup: ok, torch', torch.__version__, '| megatron-core', megatron.core.__version__ if hasattr(megatron.core, '__version__') else '?')"
+"$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e ".[test]"
+"$VENV/bin/python" -c "import torch, triton, megatron.core, hyscale_megatron; print('setup: ok ($VENV): torch', torch.__version__, '| triton', triton.__version__, '| megatron-core', getattr(megatron.core, '__version__', '?'))"
