@@ -47,7 +47,7 @@ class HyScaleConfig:
                           "indexer loss's KL and indexer backward for 1/TP of the query rows (the indexer is "
                           "duplicated on every rank, so otherwise every rank computes all of it) and the indexer "
                           "gradients are gathered / summed over the TP group (dq rows all-gathered, dk all-reduced): "
-                          "same loss value and gradients on every rank. Correct on CPU (gloo) tests; not yet timed."},
+                          "same loss value and gradients on every rank."},
     )
     replay: bool = field(
         default=True,
