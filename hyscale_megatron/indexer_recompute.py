@@ -25,7 +25,7 @@ The recipe is captured while stock's ``forward_before_topk`` runs (the indexer's
 ``forward_before_topk``, ``linear_wq_b.forward`` and ``_apply_rope`` are wrapped on the instance;
 stock's code is not changed): the input/output of the linear, and the first ``_apply_rope`` call
 whose input is that output reshaped. The recompute writes RoPE'd row chunks back over the linear
-output (see :meth:`QRecipe.full`), so the loss backward holds one q-sized buffer, as before.
+output (see :meth:`QRecipe.full`), so the loss backward holds one q-sized buffer, as a saved q would take.
 
 The recomputed q is private to the loss backward that asked for it (every tensor the unpack hook hands
 out is referenced by nobody else), so that backward writes q's gradient over it (``dq_over_q_idx`` of
@@ -38,7 +38,7 @@ contiguous copy is recomputed alike). Not applied: the CPU reference loss (its p
 keeps its q slices as inputs; a debug path), the dense warm-up loss (O(T * S), not the 1M path),
 stock's fallback. Context parallel: q is local, RoPE gets the same cp-local table -> exact.
 Sequence parallel with TP > 1: stock slices the TP-gathered rows into a contiguous copy; that copy
-is not q's storage, so the hooks stay off and q is saved as before (one log line).
+is not q's storage, so the hooks stay off and q is saved as it is (one log line).
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def finish(indexer, cap: Optional[_Capture], q: torch.Tensor) -> Optional[QRecip
 def hooks_for(recipe: Optional[QRecipe], q: torch.Tensor):
     """Around the loss call: a context manager that saves ``q`` (and views / registered copies of it) as the
     recipe when ``q`` is the tensor the recipe describes, and yields True (the loss may then write q's
-    gradient over the q it gets back: ``dq_over_q_idx``); else it yields False and q is saved as before."""
+    gradient over the q it gets back: ``dq_over_q_idx``); else it yields False and q is saved as it is."""
     if recipe is None or q is None or not torch.is_grad_enabled() or not q.requires_grad:
         return contextlib.nullcontext(False)
     if q.untyped_storage().data_ptr() != recipe.ptr:
