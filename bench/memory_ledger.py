@@ -14,7 +14,7 @@ GPU-faithful kernels (default, ``--kernels emulate``): on CPU HyScale would run 
 references of its Triton kernels, which allocate differently (chunked fp32 gathers, checkpointed
 chunks). The ledger swaps each Triton launch for a stand-in that allocates exactly what the
 launcher allocates (HyTopK: int32 [T, k] + its scratch; sparse MLA: out, lse, and in the
-backward dq, fp32 dkv, delta; selected scores / KL / target: their fp32 [T, k], [T] outputs),
+backward dq, fp32 dkv, the P / dS scratch; selected scores / KL / target: their fp32 [T, k], [T] outputs),
 saves exactly what the autograd Function saves, and fills the values from the reference inside
 a "reference" scope whose allocations are reported apart ("cpu reference scratch") and left out
 of the GPU total. ``--hyscale-replay-offload``: the replay entry is a host copy on the GPU; the
@@ -43,7 +43,6 @@ import os
 import shlex
 import sys
 import time
-import types
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -238,8 +237,8 @@ def install_kernel_standins():
     import hyscale_kernels.sparse_mla as smla_pkg
     from hyscale_kernels.hytopk import op as hytopk_op
     from hyscale_kernels.hytopk import reference as hytopk_ref
-    from hyscale_kernels.hytopk import selected_scores as ss
     from hyscale_kernels.indexer_loss import deferred, fused, kl
+    from hyscale_kernels.indexer_loss import selected_scores as ss
     from hyscale_kernels.indexer_loss import reference as loss_ref
     from hyscale_kernels.sparse_mla import kernel as smla_kernel
     from hyscale_kernels.sparse_mla.reference import sparse_mla_reference
@@ -266,12 +265,12 @@ def install_kernel_standins():
 
     _set(hytopk_pkg, "hytopk", hytopk)
 
-    # sparse MLA: _SparseMLA saves (q, kv, indices, out, lse); backward allocates dq, fp32 dkv, delta
+    # sparse MLA: SparseMLAFunction saves (q, kv, indices, out, lse); backward allocates dq, fp32 dkv, scratch
     class _SparseMLAEmu(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, kv, indices, softmax_scale, v_dim, deterministic, dq_over_q=False, bwd_variant=None,
-                    bwd_chunk_tokens=None, target_link=None, dep=None):
-            # target_link / dep: the deferred indexer loss (indexer_loss/deferred.py), as in _SparseMLA
+        def forward(ctx, q, kv, indices, softmax_scale, v_dim, deterministic, dq_over_q=False, target_link=None,
+                    dep=None):
+            # target_link / dep: the deferred indexer loss (indexer_loss/deferred.py), as in SparseMLAFunction
             ctx.target_link = target_link
             T, N, _ = q.shape
             out = torch.empty(T, N, v_dim, dtype=q.dtype, device=q.device)
@@ -283,7 +282,7 @@ def install_kernel_standins():
                 del o, l
             ctx.save_for_backward(q, kv, indices, out, lse)
             ctx.softmax_scale, ctx.v_dim = softmax_scale, v_dim
-            # the launcher's default (scratch) backward writes dq over q when asked
+            # the backward writes dq over q when asked
             ctx.over = bool(dq_over_q)
             return out, lse
 
@@ -294,8 +293,7 @@ def install_kernel_standins():
             dout = dout.to(q.dtype).contiguous()
             dq = q if ctx.over else torch.empty_like(q)
             dkv = torch.zeros(kv.shape[0], kv.shape[1], dtype=torch.float32, device=q.device)
-            delta = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-            # scratch backward: P + dS for a chunk of tokens (+ the chunk's staged dq when over q)
+            # P + dS for a chunk of tokens (+ the chunk's staged dq when over q)
             T, N, DQK = q.shape
             K = indices.shape[1]
             rows = smla_kernel.scratch_chunk_tokens(T, N, K, q.element_size())
@@ -315,10 +313,10 @@ def install_kernel_standins():
             if ctx.target_link is not None:  # the dkv kernel's fp32 [T, k] target, handed to the loss backward
                 ctx.target_link.put(sparse_attention_target(q, kv, indices, lse, ctx.softmax_scale, ctx.v_dim))
                 ctx.target_link = None
-            del delta, pds, dq_chunk
+            del pds, dq_chunk
             n_in = len(ctx.needs_input_grad)
-            d_dep = torch.zeros((), device=q.device) if n_in > 10 and ctx.needs_input_grad[10] else None
-            return (dq, dkv.to(kv.dtype), None, None, None, None, None, None, None, None, d_dep)[:n_in]
+            d_dep = torch.zeros((), device=q.device) if n_in > 8 and ctx.needs_input_grad[8] else None
+            return (dq, dkv.to(kv.dtype), None, None, None, None, None, None, d_dep)[:n_in]
 
     def sparse_mla(q, kv, indices, softmax_scale, v_dim=512, deterministic=False, check_index_range=True,
                    dq_over_q=False):
@@ -326,7 +324,7 @@ def install_kernel_standins():
                                    v_dim, deterministic, dq_over_q)
 
     _set(smla_pkg, "sparse_mla", sparse_mla)
-    _set(smla_pkg, "_SparseMLA", _SparseMLAEmu)  # what the deferred loss (loss_target='backward') applies
+    _set(deferred, "SparseMLAFunction", _SparseMLAEmu)  # what the deferred loss (loss_target='backward') applies
 
     # sparse-stage loss: the GPU branch of fused.sparse_indexer_loss (target kernel + fused KL)
     def sparse_attention_target(query, kv, indices, lse, softmax_scale, v_dim=512):
@@ -345,13 +343,14 @@ def install_kernel_standins():
         return tgt
 
     _set(fused, "sparse_attention_target", sparse_attention_target)
-    _set(fused, "os", types.SimpleNamespace(environ={**os.environ, "TRITON_INTERPRET": "1"}))  # take the kernel branch
-    _set(deferred, "os", fused.os)  # the deferred loss's kernel-path check (its kernels are the stand-ins here)
+    # the loss ops take their kernel path (whose kernels are the stand-ins here)
+    _set(fused, "use_triton", lambda *a: True)
+    _set(deferred, "use_triton", lambda *a: True)
 
-    def _triton_fwd(q, w, k, idx, relu, block_j=64):
+    def selected_scores_fwd(q, w, k, idx, relu):
         out = torch.empty(idx.shape[0], idx.shape[1], dtype=torch.float32, device=q.device)
         with _ref(), torch.no_grad():
-            out.copy_(ss._torch_fwd(q, w, k, idx, relu))
+            out.copy_(ss.torch_fwd(q, w, k, idx, relu))
         return out
 
     def kl_rows(target, scores, indices, row_mask=None, grad_out=None):
@@ -378,23 +377,15 @@ def install_kernel_standins():
             del valid, tn, s, l, ls, term, r, tsum
         return kl_, lse, den
 
-    def _triton_bwd(q, w, k, idx, g, relu, deterministic, block_j=32, buf_elems=1 << 26, kl=None, dq_over_q=False,
-                    row_coef=None):
+    def selected_scores_bwd(q, w, k, idx, g, relu, deterministic, dq_over_q=False, row_coef=None):
         T, H, D = q.shape
         dq = torch.empty(T, H, D, dtype=q.dtype, device=q.device) if not dq_over_q else None
         dw = torch.empty(T, H, dtype=w.dtype if w.dtype.is_floating_point else torch.float32, device=q.device)
         dk = torch.zeros(k.shape[0], D, dtype=torch.float32, device=q.device)
         with _ref(), torch.no_grad():
-            if kl is not None:
-                scores, target, lse, tsum, coef = kl
-                valid = idx >= 0
-                p = torch.exp(scores - lse[:, None]).masked_fill(~valid, 0.0)
-                tn = target / tsum.clamp_min(1e-10)[:, None]
-                g = (coef[:, None] * (p * tn.sum(-1, keepdim=True) - tn)).masked_fill(~valid, 0.0)
-                del p, tn, valid
-            elif row_coef is not None:  # the kernel scales g's rows as it loads them: no buffer (in place here)
+            if row_coef is not None:  # the kernel scales g's rows as it loads them: no buffer (in place here)
                 g = g.mul_(row_coef[:, None])
-            a, b, c = ss._torch_bwd(q, w, k, idx, g, relu)
+            a, b, c = ss.torch_bwd(q, w, k, idx, g, relu)
             if dq is None:  # written over the recomputed q, as the kernel does
                 q.copy_(a)
                 dq = q
@@ -405,9 +396,10 @@ def install_kernel_standins():
             del a, b, c, g
         return dq, dw, dk
 
-    _set(ss, "_triton_fwd", _triton_fwd)
-    _set(ss, "_triton_bwd", _triton_bwd)
-    _set(kl, "kl_rows", kl_rows)
+    for mod in (kl, deferred):  # the loss modules' own names of the kernels
+        _set(mod, "selected_scores_fwd", selected_scores_fwd)
+        _set(mod, "kl_rows", kl_rows)
+    _set(kl, "selected_scores_bwd", selected_scores_bwd)
 
 
 def install_fused_rms_norm_standin():
@@ -570,14 +562,14 @@ def build_argv(opts) -> list[str]:
 def run(opts) -> dict:
     from hyscale_megatron import indexer_recompute
 
-    enabled, chunk = indexer_recompute.ENABLED, indexer_recompute.RECOMPUTE_CHUNK_BYTES
-    indexer_recompute.ENABLED = not getattr(opts, "no_indexer_q_recompute", False)
+    if getattr(opts, "no_indexer_q_recompute", False):  # q saved as it is: no recipe, no dq over it
+        _set(indexer_recompute, "hooks_for", lambda recipe, q: contextlib.nullcontext(False))
     # the q recompute's RoPE chunks are a fixed size (a 1/256 of q at 1M tokens): book them at that fraction
-    indexer_recompute.RECOMPUTE_CHUNK_BYTES = max(1, chunk * opts.seq_length // (1 << 20))
+    chunk = indexer_recompute.RECOMPUTE_CHUNK_BYTES
+    _set(indexer_recompute, "RECOMPUTE_CHUNK_BYTES", max(1, chunk * opts.seq_length // (1 << 20)))
     try:
         return _run(opts)
     finally:
-        indexer_recompute.ENABLED, indexer_recompute.RECOMPUTE_CHUNK_BYTES = enabled, chunk
         restore_patches()
 
 
@@ -699,8 +691,8 @@ def parse_args(argv=None):
                    help="GPU-faithful stand-ins of HyScale's Triton kernels and of CUDA's fused RMSNorm (default), "
                         "or the CPU code paths as they are.")
     p.add_argument("--no-indexer-q-recompute", action="store_true",
-                   help="Keep the indexer q for the sparse loss backward (hyscale_megatron.indexer_recompute.ENABLED "
-                        "= False) instead of recomputing it there.")
+                   help="Keep the indexer q for the sparse loss backward instead of recomputing it there "
+                        "(hyscale_megatron.indexer_recompute off).")
     p.add_argument("--extra", default="", help="Extra Megatron/HyScale flags (one shell-quoted string).")
     p.add_argument("--top", type=int, default=25, help="How many of the largest live storages to list.")
     p.add_argument("--threads", type=int, default=None)

@@ -6,20 +6,24 @@ Per (T, N), k = 2048 selected keys per query, causal random duplicate-free indic
     full dkv vs stock TileLang's dkv (and vs the fp32 reference at a small size);
   * forward / backward time (median, 20/80 pct; CUDA events; warm-up; random data) and TFLOP/s
     counted on the k selected keys: fwd 2*T*N*k*(576+512), bwd 2*T*N*k*(576+512+576+576+512) =
-    2.53x fwd (S, dP, dq, dkv; recomputation inside a kernel is not counted);
+    2.53x fwd (S, dP, dq, dkv);
   * stock TileLang: fwd kernel, bwd kernels (delta + bwd, as its autograd runs them after its
     forward recompute, which is reported separately as stock's fwd time);
-  * the loss path: our fused sparse loss (target kernel + selected scores + fused KL, fwd+bwd)
-    vs stock's TileLang loss pieces (its target kernel in 512-row chunks + its KL kernel + its
-    indexer backward on the selected scores), and as a fraction of our attention fwd+bwd.
-Rows are appended to bench/results/sparse_attn.csv (and $OUT/sparse_attn.csv); a markdown table
-is printed last. ``--budget-s`` stops starting new measurements past that many seconds.
+  * the loss path: the forward-target loss (target kernel + selected scores + fused KL, fwd+bwd) vs
+    stock's TileLang loss pieces (its target kernel in 512-row chunks + its KL kernel + its indexer
+    backward on the selected scores); the deferred loss (target from the attention backward, the
+    layer's default) as the difference of attention fwd+bwd with and without it; both as a fraction
+    of our attention fwd+bwd.
+Rows are appended to bench/results/sparse_attn.csv (and $OUT/sparse_attn.csv) with date, commit, GPU,
+versions and command; a markdown table is printed last. ``--budget-s`` stops starting new measurements
+past that many seconds. ``python bench/plot_sparse_attn.py`` redraws bench/results/sparse_attn.png.
 
-On the H200 (device tool), stock bundle carried (.whl-tl) and the TileLang kernel cache prebuilt
-here (.tlcache, see --prebuild-tilelang):
+On a GPU machine with stock's TileLang bundle (.whl-tl) and its kernel cache prebuilt (.tlcache, see
+--prebuild-tilelang):
   mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl-tl/site.tar.xz && cp -r .tlcache /tmp/tlcache && \
   export PYTHONPATH=/tmp/site:$PWD TILELANG_CACHE_DIR=/tmp/tlcache PYTHONUNBUFFERED=1 && \
   python3 bench/sparse_attn.py --out $OUT
+Without TileLang the stock columns stay empty (``--no-stock`` skips them).
 """
 
 from __future__ import annotations
@@ -40,14 +44,11 @@ p.add_argument("--heads", default="128,64,16")
 p.add_argument("--topk", type=int, default=2048)
 p.add_argument("--budget-s", type=float, default=420.0)
 p.add_argument("--no-stock", action="store_true")
-p.add_argument("--no-sweep", action="store_true")
-p.add_argument("--sweep-only", default="",
-               help="comma-separated substrings: sweep only the fwd / bwd variants whose name contains one")
 p.add_argument("--no-loss", action="store_true")
 p.add_argument("--emulate-tp", type=int, default=0,
                help="also time the deferred loss with tp_split_rows as one rank (the last) of this many TP ranks, "
                     "emulated in this process: collectives are no-ops (their time is not included; their bytes are "
-                    "reported). For when no multi-GPU machine is lent")
+                    "reported)")
 p.add_argument("--sorted", action="store_true",
                help="ascending index rows, -1 padding last (HyTopK's order; stock gets the same rows)")
 p.add_argument("--out", default=os.environ.get("OUT", "/tmp/sparse_attn_out"))
@@ -65,7 +66,7 @@ if args.cpu_smoke:
 SCALE = (128 + 64) ** -0.5  # DeepSeek-V3.2 softmax scale (qk_head_dim + rope)
 H_I, D_I = 64, 128  # indexer heads x dim
 
-if args.prebuild_tilelang:  # pretend to be an H200 so TileLang's target auto-detection matches the device's
+if args.prebuild_tilelang:  # pretend to be a Hopper GPU so TileLang's target auto-detection matches the device's
     import torch
 
     torch.cuda.is_available = lambda: True
@@ -102,8 +103,8 @@ if args.prebuild_tilelang:
 
 from hyscale_kernels.indexer_loss.deferred import sparse_mla_with_indexer_loss  # noqa: E402
 from hyscale_kernels.indexer_loss.fused import sparse_indexer_loss  # noqa: E402
+from hyscale_kernels.indexer_loss.selected_scores import selected_scores  # noqa: E402
 from hyscale_kernels.indexer_loss.target import sparse_attention_target  # noqa: E402
-from hyscale_kernels.hytopk.selected_scores import selected_scores  # noqa: E402
 from hyscale_kernels.sparse_mla import flops, sparse_mla, sparse_mla_reference  # noqa: E402
 from hyscale_kernels.sparse_mla import kernel as km  # noqa: E402
 
@@ -115,35 +116,6 @@ from common import rel_err as rel  # noqa: E402
 DEV = "cpu" if args.cpu_smoke else "cuda"
 DT = torch.float32 if args.cpu_smoke else torch.bfloat16
 SMALL_T, SMALL_N = (48, 16) if args.cpu_smoke else (2048, 128)
-# variants swept at the first size for N = 128 (the best fwd / bwd is then used everywhere)
-# split_mma (default since session 9): QK^T (fwd) / S and dP (dq kernel) split over the two warpgroups instead
-# of computed by both (kernels/_split_mma.py); the "nosplit" rows are the defaults before session 9
-FWD_VARIANTS = {  # prefetch_idx=False: the kernels as measured before session 10
-                "fwd-bk64-split": dict(block_k=64, num_warps=8, num_stages=2, split_mma=True, prefetch_idx=False),
-                "fwd-bk64": dict(block_k=64, num_warps=8, num_stages=2, split_mma=False, prefetch_idx=False),
-                "fwd-bk32": dict(block_k=32, num_warps=8, num_stages=2, split_mma=False, prefetch_idx=False),
-                "fwd-bk32-split": dict(block_k=32, num_warps=8, num_stages=2, split_mma=True, prefetch_idx=False),
-                "fwd-bk64-16w-split": dict(block_k=64, num_warps=16, num_stages=2, split_mma=True, prefetch_idx=False),
-                "fwd-bk64-split-1st": dict(block_k=64, num_warps=8, num_stages=1, split_mma=True, prefetch_idx=False),
-                # session 10 (the default): index slots one tile ahead, the gather no longer waits on a
-                # synchronous index load; 64K N = 64 62.2 -> 52.2 ms, N = 128 110.4 -> 108.9
-                "fwd-bk64-split-pf": dict(block_k=64, num_warps=8, num_stages=2, split_mma=True, prefetch_idx=True)}
-BWD_VARIANTS = {"scratch (default)": dict(variant="scratch"),
-                "scratch dq nosplit": dict(variant="scratch", dq_cfg=dict(split_mma=False)),
-                "scratch dq split 1 stage": dict(variant="scratch", dq_cfg=dict(split_mma=True, num_stages=1)),
-                "fused-32x16": dict(split=False),
-                "split-dq32-dkv32x32": dict(split=True),
-                "split-dq32-dkv32x64": dict(split=True, dkv_cfg=dict(block_h=32, block_k=64, num_stages=1)),
-                "split-dq16-dkv32x32": dict(split=True, dq_cfg=dict(block_k=16))}
-
-
-def swept(variants: dict) -> dict:
-    """The variants --sweep-only keeps (all when empty); an unmatched filter is an error, not an empty sweep."""
-    only = [x.strip() for x in args.sweep_only.split(",") if x.strip()]
-    keep = {n: c for n, c in variants.items() if not only or any(o in n for o in only)}
-    if not keep:
-        raise SystemExit(f"--sweep-only {args.sweep_only!r} matches none of {list(variants)}")
-    return keep
 
 
 def causal_indices(T, K, seed=0):
@@ -161,11 +133,8 @@ def precompile_worker(spec):
     kv = torch.randn(max(T, 4096), 576, device=DEV).bfloat16()
     idx = torch.randint(0, kv.shape[0], (T, K), device=DEV, dtype=torch.int32)
     if what == "attn":
-        for cfg in FWD_VARIANTS.values():
-            out, lse = km.sparse_mla_fwd(q, kv, idx, SCALE, 512, **cfg)
-        dout = torch.randn_like(out)
-        for cfg in (BWD_VARIANTS.values() if N == 128 else [{}, dict(split=False), dict(split=True)]):
-            km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, SCALE, 512, **cfg)
+        out, lse = km.sparse_mla_fwd(q, kv, idx, SCALE, 512)
+        km.sparse_mla_bwd(q, kv, idx, out, lse, torch.randn_like(out), None, SCALE, 512)
     else:
         out, lse = km.sparse_mla_fwd(q, kv, idx, SCALE, 512)
         qi = torch.randn(T, H_I, D_I, device=DEV).bfloat16().requires_grad_()
@@ -174,6 +143,9 @@ def precompile_worker(spec):
         sparse_indexer_loss(qi, w, ki, q, kv, idx, SCALE, 0.01, lse=lse).backward()
         s = selected_scores(qi, w, ki, idx)
         s.backward(torch.randn_like(s))
+        qa = q.clone().requires_grad_()
+        out, _, loss = sparse_mla_with_indexer_loss(qa, kv, idx, SCALE, qi, w, ki, v_dim=512)
+        torch.autograd.backward([out, loss], [torch.randn_like(out), torch.ones_like(loss)])
     torch.cuda.synchronize()
 
 
@@ -240,10 +212,6 @@ def main():
             say("stock TileLang ops imported")
         except Exception as ex:  # noqa: BLE001
             say(f"stock TileLang unavailable: {type(ex).__name__}: {ex}")
-    # the library's defaults (kernel.FWD_CFG, split=None) unless the sweep below picks a variant
-    fwd_name, bwd_name = "fwd-default", "bwd-default"
-    fwd_cfg, bwd_cfg = {}, {}
-
     # -- small full check (dkv vs the fp32 reference), N = 128 --------------------------------------
     g = torch.Generator(device=DEV).manual_seed(1)
     T = SMALL_T
@@ -253,13 +221,9 @@ def main():
     go = torch.randn(T, SMALL_N, 512, device=DEV, generator=g)
     gl = torch.randn(T, SMALL_N, device=DEV, generator=g)
     res = []
-    for fn, a, b in ((km, q, kv), (None, q.float(), kv.float())):
+    for fn, a, b in ((sparse_mla, q, kv), (sparse_mla_reference, q.float(), kv.float())):
         a, b = a.clone().requires_grad_(), b.clone().requires_grad_()
-        if fn is km:
-            from hyscale_kernels.sparse_mla import sparse_mla
-            out, lse = sparse_mla(a, b, idx, SCALE)
-        else:
-            out, lse = sparse_mla_reference(a, b, idx, SCALE)
+        out, lse = fn(a, b, idx, SCALE)
         fin = torch.isfinite(lse)
         ((out.float() * go).sum() + (lse[fin] * gl[fin]).sum()).backward()
         res.append((out, lse, a.grad, b.grad))
@@ -281,40 +245,16 @@ def main():
             dout = torch.randn(T, N, 512, device=DEV, generator=g).to(DT)
             f_fl, b_fl = flops(T, N, K)
             rec = dict(T=T, N=N)
-            # sweep (first size, N = 128)
-            if N == max(heads) and T == sizes[0] and not args.no_sweep:
-                best = None
-                for name, cfg in swept(FWD_VARIANTS).items():
-                    t = timed(lambda: km.sparse_mla_fwd(q, kv, idx, SCALE, 512, **cfg))
-                    emit(kind="sweep", T=T, N=N, k=K, impl="ours", phase="fwd", variant=name, **t,
-                         tflops=round(f_fl / t["ms"] / 1e9, 1))
-                    if best is None or t["ms"] < best[0]:
-                        best = (t["ms"], name)
-                fwd_name, fwd_cfg = best[1], FWD_VARIANTS[best[1]]
-                out, lse = km.sparse_mla_fwd(q, kv, idx, SCALE, 512, **fwd_cfg)
-                best = None
-                for name, cfg in swept(BWD_VARIANTS).items():
-                    if left() < 60 and best is not None:
-                        break
-                    t = timed(lambda: km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, SCALE, 512, **cfg))
-                    emit(kind="sweep", T=T, N=N, k=K, impl="ours", phase="bwd", variant=name, **t,
-                         tflops=round(b_fl / t["ms"] / 1e9, 1))
-                    if best is None or t["ms"] < best[0]:
-                        best = (t["ms"], name)
-                bwd_name, bwd_cfg = best[1], BWD_VARIANTS[best[1]]
-                say(f"chosen: {fwd_name}, {bwd_name}")
             # ours
-            tf = timed(lambda: km.sparse_mla_fwd(q, kv, idx, SCALE, 512, **fwd_cfg))
-            out, lse = km.sparse_mla_fwd(q, kv, idx, SCALE, 512, **fwd_cfg)
-            tb = timed(lambda: km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, SCALE, 512, **bwd_cfg))
-            emit(kind="attn", T=T, N=N, k=K, impl="ours", phase="fwd", variant=fwd_name, **tf,
-                 tflops=round(f_fl / tf["ms"] / 1e9, 1))
-            emit(kind="attn", T=T, N=N, k=K, impl="ours", phase="bwd", variant=bwd_name, **tb,
-                 tflops=round(b_fl / tb["ms"] / 1e9, 1))
+            tf = timed(lambda: km.sparse_mla_fwd(q, kv, idx, SCALE, 512))
+            out, lse = km.sparse_mla_fwd(q, kv, idx, SCALE, 512)
+            tb = timed(lambda: km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, SCALE, 512))
+            emit(kind="attn", T=T, N=N, k=K, impl="ours", phase="fwd", **tf, tflops=round(f_fl / tf["ms"] / 1e9, 1))
+            emit(kind="attn", T=T, N=N, k=K, impl="ours", phase="bwd", **tb, tflops=round(b_fl / tb["ms"] / 1e9, 1))
             rec.update(ours_fwd=tf["ms"], ours_fwd_tf=round(f_fl / tf["ms"] / 1e9), ours_bwd=tb["ms"],
                        ours_bwd_tf=round(b_fl / tb["ms"] / 1e9))
             # sampled-row correctness (out, lse, dq vs fp32 reference)
-            dq, dkv = km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, SCALE, 512, **bwd_cfg)
+            dq, dkv = km.sparse_mla_bwd(q, kv, idx, out, lse, dout, None, SCALE, 512)
             rows = torch.randperm(T, device=DEV, generator=g)[:64]
             qr = q[rows].float().requires_grad_()
             o_r, l_r = sparse_mla_reference(qr, kv.float(), idx[rows], SCALE)
@@ -349,7 +289,7 @@ def main():
                          note="delta+bwd kernels; stock autograd also recomputes fwd first")
                     rec.update(stock_fwd=ts_f["ms"], stock_bwd=ts_b["ms"],
                                fwd_speedup=round(ts_f["ms"] / tf["ms"], 2), bwd_speedup=round(ts_b["ms"] / tb["ms"], 2))
-                    # cross-checks after the timings are saved (a failure here no longer loses them)
+                    # cross-checks after the timings are saved (a failure here keeps them)
                     errs["out_vs_stock"] = rel(out, s_out)
                     errs["dq_vs_stock"] = rel(dq, s_dq)
                     errs["dkv_vs_stock"] = rel(dkv, s_dkv.reshape(dkv.shape))
@@ -379,7 +319,7 @@ def main():
             "split_rank_loss_frac", "stock_loss_ms",
             "loss_peak_gib"]
     say("\n" + markdown_table(table, cols))
-    say(f"(ms medians; TFLOP/s on the k selected keys; fwd {fwd_name}, bwd {bwd_name}; total {time.time() - T0:.0f}s)")
+    say(f"(ms medians, [20th-80th percentile] in the CSV; TFLOP/s on the k selected keys; total {time.time() - T0:.0f}s)")
 
 
 def loss_path(T, N, K, q, kv, idx, lse, rec, stock):
@@ -433,7 +373,7 @@ def loss_path(T, N, K, q, kv, idx, lse, rec, stock):
 
 class EmulatedTPRank:
     """Rank ``rank`` of a ``size``-rank TP group inside this single-GPU process, for timing one rank's share of
-    ``tp_split_rows`` (kernels/indexer_loss/deferred.py) when no multi-GPU machine is lent. Within ``with``:
+    ``tp_split_rows`` (kernels/indexer_loss/deferred.py) on one GPU. Within ``with``:
     torch.distributed reports itself initialised, get_rank answers ``rank``, all_reduce does nothing and
     all_gather copies the local part into every slot (so shapes and the local copies are real; the collectives'
     transfer time is NOT included: see comm_bytes)."""
@@ -518,7 +458,7 @@ def deferred_loss_path(T, N, K, q, kv, idx, leaves, rec):
         emit(kind="loss", T=T, N=N, k=K, impl=f"ours-deferred tp_split_rows, 1 of {tp} ranks (emulated)",
              phase="attn fwd+bwd with loss - without, one rank's compute", ms=round(tc - ta, 3),
              attn_only_ms=round(ta, 3), attn_with_loss_ms=round(tc, 3), frac_of_attn=round((tc - ta) / ta, 3),
-             note="collectives not run (no multi-GPU machine): bytes "
+             note="collectives not run (one process): bytes "
                   + ", ".join(f"{n} {v / 2 ** 20:.1f} MiB" for n, v in nbytes.items()))
         rec.update(split_rank_loss_ms=round(tc - ta, 3), split_rank_loss_frac=round((tc - ta) / ta, 3))
 

@@ -24,12 +24,6 @@ from . import indexer_recompute, replay, selection
 from ._log import log_once
 from .config import HyScaleConfig, HyScaleConfigError
 
-# The sparse attention backward writes dq over the layer's query (kernels/sparse_mla: fused path, N <= 16
-# heads): exact (tests/test_dq_over_query.py: bit-identical gradients), one [T, N, 576] buffer less at
-# the step's peak. Not when a reference indexer loss (dense warm-up stage, CPU) keeps the query for its
-# checkpointed backward (_Compute.query_kept). A module constant like indexer_recompute.ENABLED, for A/B runs.
-DQ_OVER_QUERY = True
-
 
 def _tp_group(pg_collection):
     tp = getattr(pg_collection, "tp", None)
@@ -216,10 +210,10 @@ class _Compute:
                 from hyscale_kernels.indexer_loss.fused import sparse_indexer_loss  # noqa: PLC0415
 
                 # q is not kept for the backward: saved as a recipe, recomputed there (indexer_recompute)
-                with indexer_recompute.hooks_for(self.q_recipe, q):
+                with indexer_recompute.hooks_for(self.q_recipe, q) as recomputed:
                     kl = sparse_indexer_loss(self._q_of(q, bi, b), weights[:, bi], k[:, bi], query[:, bi], kv,
                                              idx[bi], softmax_scale, lse=lse, v_dim=int(self.layer.config.kv_lora_rank),
-                                             deterministic=self.cfg.deterministic, **common)
+                                             deterministic=self.cfg.deterministic, dq_over_q_idx=recomputed, **common)
             elif sparse_loss:
                 kl = loss_ref.sparse_indexer_loss_reference(
                     q[:, bi], weights[:, bi], k[:, bi], query[:, bi].detach(), kv, idx[bi], softmax_scale,
@@ -262,14 +256,14 @@ class _Compute:
         outs, lses, total = [], [], None
         for bi in range(b):
             # q is not kept for the backward: saved as a recipe, recomputed there (indexer_recompute)
-            with indexer_recompute.hooks_for(self.q_recipe, q):
+            with indexer_recompute.hooks_for(self.q_recipe, q) as recomputed:
                 out, lse, kl = sparse_mla_with_indexer_loss(
                     self.query[:, bi], self.key[:, bi, 0], idx[bi], softmax_scale,
                     self._q_of(q, bi, b), weights[:, bi], k[:, bi],
                     v_dim=v_dim, relu=use_relu, row_mask=None if rows_valid is None else rows_valid[bi].float(),
                     tp_group=tp_group, on_value=track, deterministic=self.cfg.deterministic,
                     tp_split_rows=self.cfg.loss_tp_split,
-                    dq_over_q=DQ_OVER_QUERY and not self.query_kept, check_index_range=False)
+                    dq_over_q=not self.query_kept, dq_over_q_idx=recomputed, check_index_range=False)
             outs.append(out)
             lses.append(lse.detach())
             total = kl if total is None else total + kl
@@ -335,10 +329,10 @@ class _Compute:
             if sparse_mla is not None:
                 # indices come from our own selection (or its replay): valid by construction, so no
                 # per-call device sync for the range check. q is this layer's query, read by nothing
-                # after the attention backward (the loss target reads it in the forward): dq may be
-                # written over it (DQ_OVER_QUERY; 18 KiB/token less at the backward peak, N = 16)
+                # after the attention backward (the loss target reads it in the forward): dq is
+                # written over it, one [T, N, 576] buffer less at the backward peak
                 return sparse_mla(q, kv, idx, scale, v_dim=v_dim, check_index_range=False,
-                                  dq_over_q=DQ_OVER_QUERY and not self.query_kept)
+                                  dq_over_q=not self.query_kept)
             if impl == "triton":
                 raise RuntimeError("attn_impl='triton' requested but hyscale_kernels.sparse_mla.sparse_mla is unavailable")
         from hyscale_kernels.sparse_mla.reference import sparse_mla_reference  # noqa: PLC0415

@@ -1,6 +1,6 @@
 """Sparse-stage indexer loss without a saved indexer query: q is recomputed at the loss backward.
 
-The sparse KL (``hyscale_kernels.indexer_loss.kl._SparseKL``) saves the indexer query
+The sparse KL (``hyscale_kernels.indexer_loss.kl.SparseKLFunction``, and the deferred loss) saves the indexer query
 q = rope(linear_wq_b(qr).reshape(T, B, H_I, D_I)) (+ rotate_activation) [T, H_I, D_I] bf16 for the
 selected-scores backward: 16 KiB/token at H_I = 64, D_I = 128, alive from the layer's (re)forward
 to its attention backward, i.e. across the MLP backward where a step peaks. Everything it is made
@@ -25,16 +25,20 @@ The recipe is captured while stock's ``forward_before_topk`` runs (the indexer's
 ``forward_before_topk``, ``linear_wq_b.forward`` and ``_apply_rope`` are wrapped on the instance;
 stock's code is not changed): the input/output of the linear, and the first ``_apply_rope`` call
 whose input is that output reshaped. The recompute writes RoPE'd row chunks back over the linear
-output (see :meth:`QRecipe.full`), so the loss backward holds one q-sized buffer, as before.
+output (see :meth:`QRecipe.full`), so the loss backward holds one q-sized buffer, as a saved q would take.
 
-Where it applies: the sparse-stage loss on the kernel path (``sparse_indexer_loss`` -> ``_SparseKL``,
-CUDA or the Triton interpreter), any batch size (b > 1: the per-sequence contiguous copy is
-recomputed alike). Not applied: the CPU reference loss (its per-chunk ``torch.utils.checkpoint``
+The recomputed q is private to the loss backward that asked for it (every tensor the unpack hook hands
+out is referenced by nobody else), so that backward writes q's gradient over it (``dq_over_q_idx`` of
+the loss ops, which the layer sets from what :func:`hooks_for` yields): one [T, H_I, D_I] buffer less at
+the loss backward.
+
+Where it applies: the sparse-stage loss on the kernel path (``sparse_mla_with_indexer_loss`` and
+``sparse_indexer_loss``, CUDA or the Triton interpreter), any batch size (b > 1: the per-sequence
+contiguous copy is recomputed alike). Not applied: the CPU reference loss (its per-chunk ``torch.utils.checkpoint``
 keeps its q slices as inputs; a debug path), the dense warm-up loss (O(T * S), not the 1M path),
 stock's fallback. Context parallel: q is local, RoPE gets the same cp-local table -> exact.
 Sequence parallel with TP > 1: stock slices the TP-gathered rows into a contiguous copy; that copy
-is not q's storage, so the hooks stay off and q is saved as before (one log line). ``ENABLED``
-(module constant, on: the feature is exact) switches it off.
+is not q's storage, so the hooks stay off and q is saved as it is (one log line).
 """
 
 from __future__ import annotations
@@ -48,7 +52,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._log import log_once
 
-ENABLED = True
 # Row-chunk size (bytes of q per chunk) of the RoPE / rotate part of the recompute: ~256 chunks at 1M
 # tokens x 64 heads x 128 (16 KiB per row). The memory ledger scales it with its sequence length.
 RECOMPUTE_CHUNK_BYTES = 1 << 26
@@ -144,6 +147,8 @@ class QRecipe:
 
     @staticmethod
     def unpack(p):
+        """The saved tensor, recomputed: private to the caller (a fresh copy where it would share storage
+        with another unpack), so the loss backward may write its gradient over it."""
         if not isinstance(p, _Packed):
             return p
         rec = p.recipe
@@ -161,12 +166,8 @@ class QRecipe:
         out = base.as_strided(p.size, p.stride, p.offset)
         whole = (out.is_contiguous() and base.is_contiguous() and out.numel() == base.numel()
                  and p.offset == base.storage_offset())  # e.g. q[:, 0] of a batch-1 q: all of it
-        if private and whole:
-            # the whole recomputed buffer, referenced by nobody else: the consumer may overwrite it
-            # (the sparse KL backward writes dq over it: one q-sized buffer less at the step's peak)
-            from hyscale_kernels.indexer_loss.kl import mark_scratch  # noqa: PLC0415
-
-            mark_scratch(out)
+        if not (private and whole):  # another unpack reads this buffer, or it is a part of it: a copy of its own
+            out = out.clone()
         return out
 
 
@@ -251,12 +252,19 @@ def finish(indexer, cap: Optional[_Capture], q: torch.Tensor) -> Optional[QRecip
 
 
 def hooks_for(recipe: Optional[QRecipe], q: torch.Tensor):
-    """Saved-tensor hooks that store ``q`` (and views / registered copies of it) as the recipe, when
-    ``q`` is the tensor the recipe describes; else a null context (q saved as before)."""
-    if not ENABLED or recipe is None or q is None or not torch.is_grad_enabled() or not q.requires_grad:
-        return contextlib.nullcontext()
+    """Around the loss call: a context manager that saves ``q`` (and views / registered copies of it) as the
+    recipe when ``q`` is the tensor the recipe describes, and yields True (the loss may then write q's
+    gradient over the q it gets back: ``dq_over_q_idx``); else it yields False and q is saved as it is."""
+    if recipe is None or q is None or not torch.is_grad_enabled() or not q.requires_grad:
+        return contextlib.nullcontext(False)
     if q.untyped_storage().data_ptr() != recipe.ptr:
         log_once("q-recompute-off", "hyscale: indexer q reaches the loss as a copy (e.g. sequence-parallel row "
                  "slice): the sparse indexer loss keeps q for its backward (no q recompute)")
-        return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(recipe.pack, QRecipe.unpack)
+        return contextlib.nullcontext(False)
+    return _recomputing(recipe)
+
+
+@contextlib.contextmanager
+def _recomputing(recipe: QRecipe):
+    with torch.autograd.graph.saved_tensors_hooks(recipe.pack, QRecipe.unpack):
+        yield True

@@ -1,42 +1,47 @@
-"""Public ops: ``from hyscale_megatron.ops import hytopk, sparse_mla, selected_scores``, and the sparse-stage
-indexer loss (``sparse_indexer_loss``: target in the forward; ``sparse_mla_with_indexer_loss``: attention and
-loss with the target from the attention backward, what the HyScale layer uses by default).
+"""Public ops of HyScale (the kernels of ``hyscale_kernels``, built from the repo's ``kernels/``) and their
+plain-PyTorch references.
 
-Re-exports the kernels (``hyscale_kernels``, built from the repo's ``kernels/`` folder) and
-their plain-PyTorch references. Imported lazily so ``import hyscale_megatron.ops`` stays cheap.
+- ``hytopk``: exact top-k of the lightning-indexer scores, computed on the fly;
+- ``sparse_mla``: absorbed-MLA attention over the selected keys (forward + backward);
+- ``sparse_mla_with_indexer_loss``: attention plus the sparse-stage indexer KL loss, its target taken
+  from the attention backward (what the HyScale layer runs); ``sparse_indexer_loss``: the loss alone,
+  its target computed in the forward;
+- ``selected_scores``: the indexer scores at given keys, differentiable.
+Importing this module imports torch and triton.
 """
 
 from __future__ import annotations
 
-import importlib
+from hyscale_kernels.hytopk import hytopk
+from hyscale_kernels.hytopk.reference import (
+    causal_bounds,
+    hytopk_reference,
+    index_scores_reference,
+    packed_causal_bounds,
+)
+from hyscale_kernels.indexer_loss.deferred import sparse_mla_with_indexer_loss
+from hyscale_kernels.indexer_loss.fused import sparse_indexer_loss
+from hyscale_kernels.indexer_loss.reference import (
+    dense_indexer_loss_reference,
+    selected_scores_reference,
+    sparse_indexer_loss_reference,
+)
+from hyscale_kernels.indexer_loss.selected_scores import selected_scores
+from hyscale_kernels.sparse_mla import sparse_mla
+from hyscale_kernels.sparse_mla.reference import sparse_mla_reference
 
-_EXPORTS = {
-    "hytopk": ("hyscale_kernels.hytopk", "hytopk"),
-    "hytopk_reference": ("hyscale_kernels.hytopk.reference", "hytopk_reference"),
-    "index_scores_reference": ("hyscale_kernels.hytopk.reference", "index_scores_reference"),
-    "selected_scores": ("hyscale_kernels.hytopk.selected_scores", "selected_scores"),
-    "selected_scores_reference": ("hyscale_kernels.hytopk.reference", "selected_scores_reference"),
-    "causal_bounds": ("hyscale_kernels.hytopk.reference", "causal_bounds"),
-    "packed_causal_bounds": ("hyscale_kernels.hytopk.reference", "packed_causal_bounds"),
-    "sparse_mla": ("hyscale_kernels.sparse_mla", "sparse_mla"),
-    "sparse_mla_reference": ("hyscale_kernels.sparse_mla.reference", "sparse_mla_reference"),
-    "sparse_indexer_loss": ("hyscale_kernels.indexer_loss.fused", "sparse_indexer_loss"),
-    "sparse_mla_with_indexer_loss": ("hyscale_kernels.indexer_loss.deferred", "sparse_mla_with_indexer_loss"),
-    "sparse_indexer_loss_reference": ("hyscale_kernels.indexer_loss.reference", "sparse_indexer_loss_reference"),
-    "dense_indexer_loss_reference": ("hyscale_kernels.indexer_loss.reference", "dense_indexer_loss_reference"),
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"hyscale_megatron.ops has no attribute {name!r}; available: {', '.join(__all__)}")
-    module, attr = _EXPORTS[name]
-    value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__all__ = [
+    "causal_bounds",
+    "dense_indexer_loss_reference",
+    "hytopk",
+    "hytopk_reference",
+    "index_scores_reference",
+    "packed_causal_bounds",
+    "selected_scores",
+    "selected_scores_reference",
+    "sparse_indexer_loss",
+    "sparse_indexer_loss_reference",
+    "sparse_mla",
+    "sparse_mla_reference",
+    "sparse_mla_with_indexer_loss",
+]

@@ -17,7 +17,13 @@ one-instruction PTX ``mov`` whose text carries MARKER; with 0 it is ``x`` itself
 constexpr, so the split and unsplit kernels are distinct Triton cache entries (Triton's cache key does not
 include compile hooks), and bumping REVISION retires binaries compiled by an older rule. The hook is
 installed by the first launch that asks for a split (``split_flag`` -> ``install()``; AOT scripts call
-``install()`` themselves), chains any hook already set, and touches only modules that carry the marker. The interpreter (CPU) ignores layouts: launchers pass 0 there.
+``install()`` themselves), chains any hook already set, and touches only modules that carry the marker.
+The interpreter (CPU) ignores layouts: launchers pass 0 there.
+
+Triton versions. The hook reaches into Triton's compile stages (``knobs.runtime.add_stages_inspection_hook``,
+its TTGIR text, ``ir.parse_mlir_module``), internals that change between releases. It applies only on the
+versions in VERIFIED (Triton 3.6.x); on any other, ``split_flag`` logs once and returns 0, so the kernels
+compile without the split: the same results, the chained dots computed by both warpgroups.
 """
 
 from __future__ import annotations
@@ -40,6 +46,13 @@ _ALIAS = re.compile(r"^#(mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 3, versionM
                     r"warpsPerCTA = \[(\d+), (\d+)\], instrShape = \[(\d+), (\d+), (\d+)\]\}>$", re.M)
 _DOT = re.compile(r"ttng\.warp_group_dot .*-> tensor<(\d+)x(\d+)x\w+, #(mma\d*)>")
 _logged: set[str] = set()
+VERIFIED = ((3, 6),)  # (major, minor) releases whose compile stages this hook is tested against
+
+
+def supported(version: str | None = None) -> bool:
+    """Whether the hook applies on Triton ``version`` (default: the installed one)."""
+    m = re.match(r"(\d+)\.(\d+)", version or triton.__version__)
+    return bool(m) and (int(m.group(1)), int(m.group(2))) in VERIFIED
 
 
 @triton.jit
@@ -51,12 +64,14 @@ def split_mma_mark(x, SPLIT_MMA: tl.constexpr):
     return x
 
 
-def split_flag(on: bool, interpret: bool, rows: int, num_warps: int) -> int:
-    """The SPLIT_MMA constexpr a launcher passes: REVISION when asked for, compiled (not interpreted) and the
-    chained dots' ``rows`` (a multiple of one warpgroup's 64) are fewer than ``num_warps`` warps cover."""
-    if not (on and not interpret and rows % 64 == 0 and 16 * num_warps > rows):
+def split_flag(interpret: bool, rows: int, num_warps: int) -> int:
+    """The SPLIT_MMA constexpr a launcher passes: REVISION when compiled (not interpreted), the chained dots'
+    ``rows`` (a multiple of one warpgroup's 64) are fewer than ``num_warps`` warps cover, and the installed
+    Triton is one the hook is verified on; else 0 (the kernel compiles as Triton lays it out)."""
+    if interpret or rows % 64 or 16 * num_warps <= rows:
         return 0
-    install()  # only processes that ask for a split kernel get the hook
+    if not install():  # only processes that ask for a split kernel get the hook
+        return 0
     return REVISION
 
 
@@ -151,12 +166,20 @@ def _hook(backend, stages, options, language, capability):
 _hook.prev = None
 
 
-def install() -> None:
-    """Register the hook once per process (apply-twice-safe), keeping any hook set before it."""
+def install() -> bool:
+    """Register the hook once per process (apply-twice-safe), keeping any hook set before it. False (logged
+    once) on a Triton version the hook is not verified on: nothing is installed."""
+    if not supported():
+        if "version" not in _logged:
+            _logged.add("version")
+            log.warning("split_mma: Triton %s is not a version the warpgroup split is verified on (%s): kernels "
+                        "compile without it (same results, possibly slower)", triton.__version__,
+                        ", ".join(f"{a}.{b}.x" for a, b in VERIFIED))
+        return False
     from triton import knobs
 
     cur = knobs.runtime.add_stages_inspection_hook
-    if cur is _hook:
-        return
-    _hook.prev = cur
-    knobs.runtime.add_stages_inspection_hook = _hook
+    if cur is not _hook:
+        _hook.prev = cur
+        knobs.runtime.add_stages_inspection_hook = _hook
+    return True

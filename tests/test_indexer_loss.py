@@ -1,4 +1,6 @@
-"""Indexer KL loss reference == stock megatron-core 0.19.2 (value and indexer gradients)."""
+"""The indexer KL loss: the reference equals stock megatron-core 0.19.2 (value and indexer gradients); the
+kernel path's target, KL rows, value and gradients equal the reference (Triton interpreter on CPU); the deferred
+loss (target from the attention backward) equals the forward-target path; bad input is named."""
 
 from __future__ import annotations
 
@@ -10,8 +12,21 @@ import torch
 from megatron.core.transformer.experimental_attention_variant import dsa as stock_dsa
 
 from hyscale_kernels.hytopk.reference import causal_bounds, packed_causal_bounds
-from hyscale_kernels.indexer_loss.reference import dense_indexer_loss_reference, sparse_indexer_loss_reference
+from hyscale_kernels.indexer_loss.deferred import sparse_mla_with_indexer_loss
+from hyscale_kernels.indexer_loss.fused import sparse_indexer_loss
+from hyscale_kernels.indexer_loss.kl import kl_rows
+from hyscale_kernels.indexer_loss.reference import (
+    _kl_rows,
+    _masked_log_softmax,
+    dense_indexer_loss_reference,
+    sparse_indexer_loss_reference,
+    sparse_indexer_target,
+)
+from hyscale_kernels.indexer_loss.target import sparse_attention_target
+from hyscale_kernels.sparse_mla import sparse_mla
+from hyscale_kernels.sparse_mla.kernel import sparse_mla_bwd, sparse_mla_fwd
 from hyscale_kernels.sparse_mla.reference import sparse_mla_reference
+from sparse_cases import DEV, loss_case, nan_outputs, needs_triton, rel_l2  # noqa: F401
 
 PG = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1))  # stock only asks tp.size()
 T, N, DQK, HI, DI, TOPK = 19, 3, 24, 4, 8, 6
@@ -129,3 +144,165 @@ def test_sparse_with_attention_lse_and_no_grad():
     with torch.no_grad():
         c = sparse_indexer_loss_reference(*base, idx, SCALE, COEFF)
     torch.testing.assert_close(a.detach(), c, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel path: target, KL rows, loss value and gradients
+# ---------------------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.usefixtures("nan_outputs")
+@pytest.mark.parametrize("N", [3, 16, 80])  # one head block (odd), one full block, several blocks
+def test_targets_match_reference(N):
+    """The forward's target kernel and the attention backward's head-summed P (both unnormalised) equal the
+    target spec once normalised; 0 at padding and on the fully masked row; every element written."""
+    *_, query, kv, idx = loss_case(T=7, S=40, N=N, topk=18, seed=N)
+    out, lse = sparse_mla_fwd(query, kv, idx, 0.2, 32)
+    ref = sparse_indexer_target(query, kv, idx, 0.2, lse=lse)
+    fwd = sparse_attention_target(query, kv, idx, lse, 0.2, v_dim=32)
+    bwd = torch.full(idx.shape, float("nan"), dtype=torch.float32, device=DEV)
+    sparse_mla_bwd(query, kv, idx, out, lse, torch.randn_like(out), None, 0.2, 32, target=bwd)
+    for tgt in (fwd, bwd):
+        assert torch.isfinite(tgt).all()
+        torch.testing.assert_close(tgt / tgt.sum(-1, keepdim=True).clamp_min(1e-10), ref, rtol=1e-5, atol=1e-6)
+        assert (tgt[3] == 0).all() and (tgt[idx < 0] == 0).all()
+        torch.testing.assert_close(tgt[1, 0], torch.tensor(float(N), device=DEV))  # one key: P = 1 for every head
+
+
+def test_bad_target_buffer_is_named():
+    *_, query, kv, idx = loss_case(T=5, S=20, N=4, topk=8)
+    out, lse = sparse_mla_reference(query, kv, idx, 0.2, v_dim=32)
+    with pytest.raises(ValueError, match=r"target must be a contiguous fp32 \[5, 8\]"):
+        sparse_mla_bwd(query, kv, idx, out, lse, torch.randn_like(out), None, 0.2, 32,
+                       target=torch.zeros(5, 7, device=DEV))
+
+
+@needs_triton
+def test_kl_rows_match_reference():
+    """The per-row KL kernel: raw target (normalised inside), scores with -inf padding, a row of zero target mass."""
+    *_, idx = loss_case(T=6, S=30, N=4, topk=10, seed=5)
+    g = torch.Generator().manual_seed(9)
+    tgt = torch.rand(6, 10, generator=g).to(DEV) * (idx >= 0)
+    tgt[2] = 0.0  # valid slots but zero target mass: kl 0
+    sc = torch.randn(6, 10, generator=g).to(DEV).masked_fill(idx < 0, float("-inf"))
+    kl, _, _ = kl_rows(tgt, sc, idx)
+    tn = tgt / tgt.sum(-1, keepdim=True).clamp_min(1e-10)
+    torch.testing.assert_close(kl, _kl_rows(tn, _masked_log_softmax(sc, idx >= 0), None), rtol=1e-5, atol=1e-7)
+
+
+def _loss_and_grads(fn, inputs, **kw):
+    q_idx, w, k_idx, query, kv, idx = inputs
+    leaves = [t.clone().requires_grad_() for t in (q_idx, w, k_idx)]
+    loss = fn(*leaves, query, kv, idx, 0.3, 0.05, **kw)
+    loss.backward()
+    return loss.detach(), [t.grad for t in leaves]
+
+
+@needs_triton
+@pytest.mark.usefixtures("nan_outputs")
+@pytest.mark.parametrize("relu,per_token,valid_rows,deterministic", [
+    (True, False, True, False), (False, True, True, False), (True, False, False, True)])
+def test_forward_target_loss_matches_reference(relu, per_token, valid_rows, deterministic):
+    inputs = loss_case(T=7, S=33, N=5, topk=12, seed=3)
+    rows = torch.tensor([1, 1, 0, 1, 1, 1, 0], dtype=torch.bool, device=DEV) if valid_rows else None
+    kw = dict(relu=relu, query_valid_rows=rows, calculate_per_token_loss=per_token)
+    l1, g1 = _loss_and_grads(sparse_indexer_loss, inputs, v_dim=32, deterministic=deterministic, **kw)
+    l2, g2 = _loss_and_grads(sparse_indexer_loss_reference, inputs, **kw)
+    torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-7)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# the deferred loss (target from the attention backward) = the forward-target path
+# ---------------------------------------------------------------------------------------------
+def _both(inputs, relu=True, rows=None, deterministic=False, coeff=0.05, dq_over_q=False):
+    """(value, out, lse, attention grads, indexer grads) of the forward-target path and of the deferred one, on
+    the same loss scalar: (out * dout).sum() + coeff * loss."""
+    q_idx, w, k_idx, query, kv, idx = inputs
+    scale, v = 0.25, (512 if query.shape[-1] == 576 else 32)
+    torch.manual_seed(7)
+    dout = torch.randn(query.shape[0], query.shape[1], v, dtype=query.dtype, device=query.device)
+    res = []
+    for deferred in (False, True):
+        ql, wl, kl = (t.clone().requires_grad_() for t in (q_idx, w, k_idx))
+        qa, kva = query.clone().requires_grad_(), kv.clone().requires_grad_()
+        seen = []
+        if deferred:
+            out, lse, loss = sparse_mla_with_indexer_loss(
+                qa * 1.0 if dq_over_q else qa, kva, idx, scale, ql, wl, kl, v_dim=v, relu=relu, row_mask=rows,
+                on_value=seen.append, deterministic=deterministic, dq_over_q=dq_over_q)
+            assert loss.item() == 0.0 and not seen  # no value before the backward
+        else:
+            out, lse = sparse_mla(qa, kva, idx, scale, v_dim=v, deterministic=deterministic)
+            loss = sparse_indexer_loss(ql, wl, kl, qa, kva, idx, scale, 1.0, relu=relu, lse=lse,
+                                       query_valid_rows=rows, calculate_per_token_loss=True, v_dim=v,
+                                       deterministic=deterministic)
+            seen.append(loss.detach())
+        ((out.float() * dout.float()).sum() + coeff * loss).backward()
+        assert len(seen) == 1
+        res.append((seen[0], out.detach(), lse.detach(), [t.grad for t in (qa, kva)], [t.grad for t in (ql, wl, kl)]))
+    return res
+
+
+@needs_triton
+@pytest.mark.usefixtures("nan_outputs")
+@pytest.mark.parametrize("N,relu,masked,deterministic,dq_over_q", [
+    (5, True, False, False, False), (5, False, True, False, False), (20, True, False, True, True)],
+    ids=["relu", "identity-row-mask", "20-heads-deterministic-dq-over-q"])
+def test_deferred_loss_equals_forward_target_path(N, relu, masked, deterministic, dq_over_q):
+    inputs = loss_case(T=7, S=33, N=N, topk=12, seed=3)
+    rows = torch.tensor([1, 1, 0, 1, 1, 1, 0], dtype=torch.float32, device=DEV) if masked else None
+    (v1, o1, l1, a1, i1), (v2, o2, l2, a2, i2) = _both(inputs, relu=relu, rows=rows, deterministic=deterministic,
+                                                         dq_over_q=dq_over_q)
+    assert v1.item() > 0
+    torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-7)
+    assert torch.equal(o2, o1) and torch.equal(l2, l1)
+    for a, b in zip(a2, a1):  # attention gradients: the same kernels
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(i2, i1):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+@needs_triton
+def test_deferred_loss_errors():
+    q_idx, w, k_idx, query, kv, idx = loss_case(T=5, S=20, N=4, topk=8)
+    ql = q_idx.clone().requires_grad_()
+    out, _, loss = sparse_mla_with_indexer_loss(query, kv, idx, 0.2, ql, w, k_idx, v_dim=32)
+    with pytest.raises(RuntimeError, match="before \\(or without\\) the attention"):
+        loss.backward()  # the attention output is not part of this backward: no target
+    with pytest.raises(ValueError, match="k_idx must be"):
+        sparse_mla_with_indexer_loss(query, kv, idx, 0.2, ql, w, k_idx[:-1], v_dim=32)
+    with pytest.raises(ValueError, match="w must be"):
+        sparse_mla_with_indexer_loss(query, kv, idx, 0.2, ql, w[:, :2], k_idx, v_dim=32)
+    with pytest.raises(ValueError, match="row_mask must be"):
+        sparse_mla_with_indexer_loss(query, kv, idx, 0.2, ql, w, k_idx, v_dim=32, row_mask=torch.ones(3, device=DEV))
+    with pytest.raises(ValueError, match="indices must be in"):
+        sparse_mla_with_indexer_loss(query, kv, idx + 100, 0.2, ql, w, k_idx, v_dim=32)
+
+
+@pytest.mark.gpu
+def test_gpu_deferred_loss_bf16():
+    """bf16 at a real shape (T 4096, N 128: two head blocks adding into the target, k 2048): the backward's
+    target (bf16-stored P summed in fp32) against the target kernel's (fp32 P), then the deferred loss
+    against the forward-target path."""
+    T, S, N, K = 4096, 8192, 128, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q_idx = torch.randn(T, 64, 128, device="cuda", generator=g).bfloat16()
+    w = torch.randn(T, 64, device="cuda", generator=g).bfloat16()
+    k_idx = torch.randn(S, 128, device="cuda", generator=g).bfloat16()
+    query = torch.randn(T, N, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(S, 576, device="cuda", generator=g).bfloat16()
+    idx = torch.argsort(torch.rand(T, S, device="cuda", generator=g), dim=1)[:, :K].int()
+    idx[:64, 1000:] = -1
+    out, lse = sparse_mla_fwd(query, kv, idx, 0.25, 512)
+    tgt = torch.full(idx.shape, float("nan"), device="cuda")
+    sparse_mla_bwd(query, kv, idx, out, lse, torch.randn_like(out), None, 0.25, 512, target=tgt)
+    ref = sparse_attention_target(query, kv, idx, lse, 0.25)
+    assert torch.isfinite(tgt).all() and rel_l2(tgt, ref) < 2e-3, rel_l2(tgt, ref)
+    del out, lse, tgt, ref
+    (v1, _, _, a1, i1), (v2, _, _, a2, i2) = _both([q_idx, w, k_idx, query, kv, idx], coeff=1.0)
+    torch.testing.assert_close(v2, v1, rtol=2e-3, atol=1e-6)
+    for a, b in zip(a2, a1):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-3)
+    for a, b in zip(i2, i1):  # bf16 gradients: a few elements differ by one bf16 ulp (the target's bf16 P)
+        assert rel_l2(a, b) < 5e-3

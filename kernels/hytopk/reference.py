@@ -91,22 +91,6 @@ def hytopk_reference(
     return (out_i, out_s) if return_scores else out_i
 
 
-def selected_scores_reference(
-    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, relu: bool = True
-) -> torch.Tensor:
-    """Scores at given indices: out[t, j] = I[t, indices[t, j]], fp32 [T, topk], -inf at -1.
-
-    Differentiable in q, w and k through autograd; costs O(T * topk * H * D).
-    """
-    valid = indices >= 0
-    k_sel = k.float()[indices.long().clamp(min=0)]  # [T, topk, D]
-    s = torch.einsum("thd,tjd->thj", q.float(), k_sel)
-    if relu:
-        s = s.relu()
-    out = torch.einsum("thj,th->tj", s, w.float())
-    return out.masked_fill(~valid, NEG_INF)
-
-
 def causal_bounds(T: int, S: int | None = None, device=None, offset: int = 0):
     """int32 bounds for causal rows: row t sees keys [0, offset + t + 1) (clamped to S)."""
     S = T + offset if S is None else S

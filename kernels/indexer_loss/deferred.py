@@ -6,30 +6,31 @@ selected keys (``target.py``: ~2/3 of the loss path at 64K tokens, 128 heads). B
 backward computes exactly these P (from the saved LSE) for its own gradient and stores them for its dkv
 kernel, which here also sums them over heads into the target; the KL runs after it, inside the backward:
 
-    forward:   loss = _DeferredSparseKL(q_idx, w, k_idx)        saves its inputs; value 0 (placeholder)
-               out, lse = _SparseMLA(q, kv, idx, ..., dep=loss)  the loss is an input: its backward waits
-    backward:  _SparseMLA:        dq, dkv and the raw target (TargetLink.put)
+    forward:   loss = _DeferredSparseKL(q_idx, w, k_idx)               saves its inputs; value 0 (placeholder)
+               out, lse = SparseMLAFunction(q, kv, idx, ..., dep=loss)  the loss is an input: its backward waits
+    backward:  SparseMLAFunction: dq, dkv and the raw target (TargetLink.put)
                _DeferredSparseKL: target (TP all-reduced) -> selected scores -> KL rows -> value to
-                                  ``on_value``; gradients to q_idx, w, k_idx as in ``kl._SparseKL``
+                                  ``on_value``; gradients to q_idx, w, k_idx as in ``kl.SparseKLFunction``
 
 Same gradients as ``sparse_mla`` + ``sparse_indexer_loss`` up to the target's precision (fp32 head sums of
 the stored P: exact in fp32 runs, bf16-rounded P in bf16 runs), one QK pass less. The price: the loss
 *value* exists only in the backward. The returned ``loss`` is a 0-valued fp32 scalar that carries the gradient (its
 ``d loss`` scales the KL's gradient as usual); the true value, sum_t row_mask[t] * KL_t, is passed to
 ``on_value`` when the backward has computed it (the HyScale layer adds it to Megatron's indexer-loss
-tracker there, so logged values are unchanged; see docs).
+tracker there, so logged values are unchanged; see docs/sparse_mla.md).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional
 
 import torch
 
-from .._common import check, check_tensor
-from . import kl as _kl  # module attributes: the memory ledger swaps kl_rows for a stand-in
+from .._common import check, check_tensor, use_triton
+from ..sparse_mla.op import SparseMLAFunction, check_inputs
+from .kl import kl_rows, kl_score_backward
 from .reference import _tp_all_reduce
+from .selected_scores import selected_scores_fwd
 
 
 class TargetLink:
@@ -55,17 +56,16 @@ class _DeferredSparseKL(torch.autograd.Function):
     """Placeholder loss in the forward; the KL value and the indexer gradients in the backward."""
 
     @staticmethod
-    def forward(ctx, q, w, k, indices, row_mask, relu, deterministic, link, tp_group, on_value, tp_split_rows):
+    def forward(ctx, q, w, k, indices, row_mask, relu, deterministic, link, tp_group, on_value, tp_split_rows,
+                dq_over_q):
         ctx.save_for_backward(q, w, k, indices, row_mask if row_mask is not None else indices.new_empty(0))
         ctx.relu, ctx.deterministic, ctx.has_mask = relu, deterministic, row_mask is not None
         ctx.link, ctx.tp_group, ctx.on_value = link, tp_group, on_value
-        ctx.tp_split_rows = tp_split_rows
+        ctx.tp_split_rows, ctx.dq_over_q = tp_split_rows, dq_over_q
         return torch.zeros((), dtype=torch.float32, device=q.device)
 
     @staticmethod
     def backward(ctx, g):
-        from ..hytopk.selected_scores import _triton_fwd  # noqa: PLC0415
-
         if ctx.link is None:
             raise RuntimeError("sparse_mla_with_indexer_loss: backward through the same graph twice (retain_graph) "
                                "is not supported")
@@ -74,17 +74,18 @@ class _DeferredSparseKL(torch.autograd.Function):
         target = _tp_all_reduce(link.take(), ctx.tp_group)  # heads sharded over TP: sum the partial head sums
         if ctx.tp_split_rows and _group_size(ctx.tp_group) > 1:
             dq, dw, dk = _split_rows_backward(ctx, g, q, w, k, indices, row_mask, target)
-            return dq, dw, dk, None, None, None, None, None, None, None, None
-        scores = _triton_fwd(q, w, k, indices, ctx.relu)  # [T, topk] fp32
-        kl, _, _ = _kl.kl_rows(target, scores, indices, row_mask if ctx.has_mask else None, grad_out=scores)
+            return dq, dw, dk, None, None, None, None, None, None, None, None, None
+        scores = selected_scores_fwd(q, w, k, indices, ctx.relu)  # [T, topk] fp32
+        kl, _, _ = kl_rows(target, scores, indices, row_mask if ctx.has_mask else None, grad_out=scores)
         del target
         if ctx.on_value is not None:
             ctx.on_value(kl.sum().detach())  # kl rows are already row-masked
         coef = g.float().reshape(1, 1)
         if ctx.has_mask:
             coef = coef * row_mask.float().reshape(-1, 1)
-        dq, dw, dk = _kl.kl_score_backward(q, w, k, indices, scores, coef, ctx.relu, ctx.deterministic)
-        return dq, dw, dk, None, None, None, None, None, None, None, None
+        dq, dw, dk = kl_score_backward(q, w, k, indices, scores, coef, ctx.relu, ctx.deterministic,
+                                       dq_over_q=ctx.dq_over_q)
+        return dq, dw, dk, None, None, None, None, None, None, None, None, None
 
 
 def _group_size(group) -> int:
@@ -96,8 +97,6 @@ def _split_rows_backward(ctx, g, q, w, k, indices, row_mask, target):
     computes the KL and the indexer backward of its own ceil(T / tp) rows only; the loss value is summed over
     the ranks, dk (fp32) all-reduced, dq / dw rows all-gathered, so every rank returns the full gradients
     (equal on all ranks, as the duplicated indexer's parameters expect). Per-rank work 1 / tp of the loss."""
-    from ..hytopk.selected_scores import _triton_fwd  # noqa: PLC0415
-
     group = ctx.tp_group
     rank, size = torch.distributed.get_rank(group), group.size()
     T = q.shape[0]
@@ -108,13 +107,13 @@ def _split_rows_backward(ctx, g, q, w, k, indices, row_mask, target):
     mask_s = row_mask[rows] if ctx.has_mask else None
     value = torch.zeros((), dtype=torch.float32, device=q.device)
     if r1 > r0:
-        scores = _triton_fwd(q_s, w_s, k, idx_s, ctx.relu)  # [rows, topk] fp32
-        kl, _, _ = _kl.kl_rows(target[rows].contiguous(), scores, idx_s, mask_s, grad_out=scores)
+        scores = selected_scores_fwd(q_s, w_s, k, idx_s, ctx.relu)  # [rows, topk] fp32
+        kl, _, _ = kl_rows(target[rows].contiguous(), scores, idx_s, mask_s, grad_out=scores)
         value = kl.sum().detach().float()
         coef = g.float().reshape(1, 1)
         if ctx.has_mask:
             coef = coef * mask_s.float().reshape(-1, 1)
-        dq_s, dw_s, dk = _kl.kl_score_backward(q_s, w_s, k, idx_s, scores, coef, ctx.relu, ctx.deterministic,
+        dq_s, dw_s, dk = kl_score_backward(q_s, w_s, k, idx_s, scores, coef, ctx.relu, ctx.deterministic,
                                                dk_fp32=True)
     else:  # fewer rows than ranks
         dq_s, dw_s = q_s.new_zeros(q_s.shape), w_s.new_zeros(w_s.shape)
@@ -152,17 +151,15 @@ def sparse_mla_with_indexer_loss(
     deterministic: bool = False,
     dq_over_q: bool = False,
     check_index_range: bool = True,
-    bwd_variant: Optional[str] = None,
-    bwd_chunk_tokens: Optional[int] = None,
     tp_split_rows: bool = False,
+    dq_over_q_idx: bool = False,
 ):
     """Sparse MLA attention and the sparse-stage indexer KL loss, its target taken from the attention backward.
 
     Args:
         q: [T, N, Dqk] bf16 / fp16 / fp32 attention queries; kv: [S, Dqk] latent key (same dtype); indices:
             [T, topk] int32 / int64, -1 padded -- as in ``sparse_mla`` (differentiable in q and kv).
-        softmax_scale, v_dim, deterministic, dq_over_q, check_index_range, bwd_chunk_tokens: as in ``sparse_mla``;
-            bwd_variant: None / "scratch" only (the backward that stores P, from which the target is summed).
+        softmax_scale, v_dim, deterministic, dq_over_q, check_index_range: as in ``sparse_mla``.
         q_idx: [T, H_I, D_I], w: [T, H_I], k_idx: [S, D_I] the indexer's queries, head weights, keys
             (bf16 / fp32; differentiable), scored as in ``selected_scores`` (``relu``: ReLU activation).
         row_mask: optional [T] (bool / float) weight of each row's KL (padding rows 0).
@@ -172,22 +169,16 @@ def sparse_mla_with_indexer_loss(
             gathered / summed over the group: every rank gets the full, equal gradients and loss value.
         on_value: called once in the backward with the loss value, fp32 0-d tensor
             sum_t row_mask[t] * KL(normalise(target_t) || softmax(scores_t)).
+        dq_over_q_idx: the loss backward writes q_idx's gradient into the storage of the q_idx it saved:
+            only when that tensor is private to this loss (hyscale_megatron.indexer_recompute recomputes it
+            for this backward alone). Ignored with tp_split_rows over several ranks (row slices are copies).
     Returns:
         out [T, N, v_dim] (q's dtype), lse [T, N] fp32, as ``sparse_mla``; loss: fp32 0-d tensor, value 0 in
         the forward, whose gradient g gives the indexer the gradient of g * (the value above).
     Needs the kernel path (CUDA, or CPU with TRITON_INTERPRET=1).
     """
-    from ..sparse_mla import _SparseMLA, _validate  # noqa: PLC0415
-    from ..sparse_mla.kernel import check_bwd_variant  # noqa: PLC0415
-
-    check(q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
-          "sparse_mla_with_indexer_loss needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); on a plain CPU use "
-          "sparse_mla + indexer_loss.fused.sparse_indexer_loss (reference path)")
-    _validate(q, kv, indices, softmax_scale, v_dim, check_index_range)
-    variant = check_bwd_variant(bwd_variant, bwd_chunk_tokens, where="sparse_mla_with_indexer_loss",
-                                names=("bwd_variant", "bwd_chunk_tokens"))
-    check(variant == "scratch", f"sparse_mla_with_indexer_loss: bwd_variant={bwd_variant!r} cannot produce the loss "
-          "target; use 'scratch' (the default)")
+    use_triton("sparse_mla_with_indexer_loss", q, "triton")  # no reference path: a clear error on a plain CPU
+    check_inputs(q, kv, indices, softmax_scale, v_dim, check_index_range)
     T = q.shape[0]
     check_tensor("q_idx", q_idx, 3, (torch.bfloat16, torch.float16, torch.float32), device=q.device)
     check(q_idx.shape[0] == T, f"q_idx must have {T} rows (one per attention query), got {tuple(q_idx.shape)}")
@@ -201,7 +192,8 @@ def sparse_mla_with_indexer_loss(
     indices = indices.contiguous()
     loss = _DeferredSparseKL.apply(q_idx.contiguous(), w.contiguous(), k_idx.contiguous(), indices,
                                    None if row_mask is None else row_mask.contiguous(), bool(relu),
-                                   bool(deterministic), link, tp_group, on_value, bool(tp_split_rows))
-    out, lse = _SparseMLA.apply(q.contiguous(), kv.contiguous(), indices, float(softmax_scale), v_dim,
-                                bool(deterministic), bool(dq_over_q), bwd_variant, bwd_chunk_tokens, link, loss)
+                                   bool(deterministic), link, tp_group, on_value, bool(tp_split_rows),
+                                   bool(dq_over_q_idx))
+    out, lse = SparseMLAFunction.apply(q.contiguous(), kv.contiguous(), indices, float(softmax_scale), v_dim,
+                                       bool(deterministic), bool(dq_over_q), link, loss)
     return out, lse, loss

@@ -11,12 +11,10 @@ Exactly the reference's ``_kl_rows(target, _masked_log_softmax(scores, valid), r
 with no valid slot has kl = 0 and no gradient). The forward kernel reads target and scores and
 writes the per-row values [T] (kl, lse, sum of tn); with ``grad_out`` it also writes the unscaled
 score gradient ``G = softmax * sum(tn) - tn`` (0 at padding) in a third pass -- in place over the
-scores buffer in ``_SparseKL``. The autograd Function then saves G alone: one [T, topk] fp32
+scores buffer in ``SparseKLFunction``. The autograd Function then saves G alone: one [T, topk] fp32
 tensor between forward and backward instead of two (target and scores, 8 KiB/token less at
-topk 2048), and the backward scales it by coef in place and hands it to the selected-scores
-backward kernel as the score gradient (``selected_scores._triton_bwd(..., g)``). Same values as
-recomputing coef * (exp(s - lse) * sum(tn) - tn) per slot there: the same fp32 expression, rounded
-once, then one multiply by coef.
+topk 2048), and the selected-scores backward kernel takes it as the score gradient, scaled per row
+by coef as it loads it (``selected_scores_bwd(..., g, row_coef=coef)``).
 """
 
 from __future__ import annotations
@@ -25,31 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-EPS = 1e-10
-
-# Storages handed to the KL backward as private scratch (a q recomputed for it alone, see
-# hyscale_megatron.indexer_recompute): the backward may write dq over them. Keyed by storage address,
-# each entry holds a weak reference to the very storage, so a freed one (or a new storage at a reused
-# address) never matches. Autograd hands the saved tensor back as a new Python object, hence no tag
-# on the tensor itself.
-_SCRATCH: dict = {}
-
-
-def mark_scratch(t: torch.Tensor) -> None:
-    """Declare ``t``'s storage private to the next ``take_scratch`` caller (it may overwrite it)."""
-    from torch.multiprocessing.reductions import StorageWeakRef  # noqa: PLC0415
-
-    for ptr in [p for p, r in _SCRATCH.items() if r.expired()]:
-        del _SCRATCH[ptr]
-    _SCRATCH[t.untyped_storage().data_ptr()] = StorageWeakRef(t.untyped_storage())
-
-
-def take_scratch(t: torch.Tensor) -> bool:
-    """True (once) when ``t`` covers a storage declared by :func:`mark_scratch` that is still alive."""
-    st = t.untyped_storage()
-    ref = _SCRATCH.pop(st.data_ptr(), None)
-    return (ref is not None and not ref.expired() and ref.cdata == st._cdata and t.is_contiguous()
-            and t.storage_offset() == 0 and t.numel() * t.element_size() == st.nbytes())
+from .reference import EPS
+from .selected_scores import selected_scores_bwd, selected_scores_fwd
 
 
 @triton.jit
@@ -124,51 +99,50 @@ def kl_rows(target: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor, r
     return kl, lse, den
 
 
-class _SparseKL(torch.autograd.Function):
+class SparseKLFunction(torch.autograd.Function):
     """kl[t] (masked) from (q_idx, w, k_idx) through the selected scores; target is a constant."""
 
     @staticmethod
-    def forward(ctx, q, w, k, indices, target, row_mask, relu, deterministic):
-        from ..hytopk.selected_scores import _triton_fwd  # noqa: PLC0415
-
-        scores = _triton_fwd(q, w, k, indices, relu)  # [T, topk] fp32
+    def forward(ctx, q, w, k, indices, target, row_mask, relu, deterministic, dq_over_q):
+        scores = selected_scores_fwd(q, w, k, indices, relu)  # [T, topk] fp32
         kl, _, _ = kl_rows(target, scores, indices, row_mask, grad_out=scores)  # scores now hold G
         ctx.save_for_backward(q, w, k, indices, scores, row_mask if row_mask is not None else kl.new_ones(0))
-        ctx.relu, ctx.deterministic, ctx.has_mask = relu, deterministic, row_mask is not None
+        ctx.relu, ctx.deterministic, ctx.has_mask, ctx.dq_over_q = relu, deterministic, row_mask is not None, dq_over_q
         ctx.used = False
         return kl
 
     @staticmethod
     def backward(ctx, g_rows):
-        if ctx.used:  # one backward per graph (dq may take the storage of a recomputed q)
+        if ctx.used:  # one backward per graph (dq may take q's storage)
             raise RuntimeError("sparse_kl: backward through the same graph twice (retain_graph) is not supported")
         ctx.used = True
         q, w, k, indices, grad, row_mask = ctx.saved_tensors
         coef = g_rows.float() * (row_mask.float() if ctx.has_mask else 1.0)  # d loss / d kl_unmasked[t]
-        dq, dw, dk = kl_score_backward(q, w, k, indices, grad, coef.reshape(-1, 1), ctx.relu, ctx.deterministic)
-        return dq, dw, dk, None, None, None, None, None
+        dq, dw, dk = kl_score_backward(q, w, k, indices, grad, coef.reshape(-1, 1), ctx.relu, ctx.deterministic,
+                                       dq_over_q=ctx.dq_over_q)
+        return dq, dw, dk, None, None, None, None, None, None
 
 
-def kl_score_backward(q, w, k, indices, grad, coef, relu: bool, deterministic: bool, dk_fp32: bool = False):
+def kl_score_backward(q, w, k, indices, grad, coef, relu: bool, deterministic: bool, dq_over_q: bool = False,
+                      dk_fp32: bool = False):
     """(dq, dw, dk) of the indexer from G = d kl / d scores (fp32 [T, topk]) times ``coef`` (fp32 [T, 1] or
     [1, 1], d loss / d kl per row), through the selected-scores backward kernel, which scales each G row as it
-    loads it (no pass over G; G is left as it is). ``dk_fp32``: dk stays fp32 (a partial sum still to be
-    reduced across ranks), else in k's dtype."""
-    from ..hytopk.selected_scores import _triton_bwd  # noqa: PLC0415
-
+    loads it (no pass over G; G is left as it is). ``dq_over_q``: dq is written over q (q is private to this
+    backward). ``dk_fp32``: dk stays fp32 (a partial sum still to be reduced across ranks), else in k's dtype."""
     dq_dtype = q.dtype
     T = grad.shape[0]
     row_coef = coef.float().reshape(-1).expand(T).contiguous()  # [T]
-    # a q recomputed for this backward alone (hyscale_megatron.indexer_recompute marks it) takes dq
-    # in place: one [T, H_I, D_I] buffer less at the step's peak (16 GiB at 1M tokens, 64 x 128)
-    over = take_scratch(q)
-    dq, dw, dk = _triton_bwd(q, w, k, indices, grad, relu, deterministic, dq_over_q=over, row_coef=row_coef)
+    dq, dw, dk = selected_scores_bwd(q, w, k, indices, grad, relu, deterministic, dq_over_q=dq_over_q,
+                                     row_coef=row_coef)
     del q
     return dq.to(dq_dtype), dw.to(w.dtype), dk if dk_fp32 else dk.to(k.dtype)
 
 
-def sparse_kl(q_idx, w, k_idx, indices, target, row_mask=None, relu: bool = True, deterministic: bool = False):
+def sparse_kl(q_idx, w, k_idx, indices, target, row_mask=None, relu: bool = True, deterministic: bool = False,
+              dq_over_q_idx: bool = False):
     """Per-row masked KL [T] of the indexer's selected-score softmax against ``target`` (raw head-summed
-    attention probabilities, normalised here); differentiable in q_idx, w, k_idx."""
-    return _SparseKL.apply(q_idx.contiguous(), w.contiguous(), k_idx.contiguous(), indices.contiguous(),
-                           target.contiguous(), row_mask, relu, deterministic)
+    attention probabilities, normalised here); differentiable in q_idx, w, k_idx. ``dq_over_q_idx``: the
+    backward writes q_idx's gradient into the storage of the q_idx it saved (only when that tensor is private
+    to this loss, e.g. recomputed for its backward alone: hyscale_megatron.indexer_recompute)."""
+    return SparseKLFunction.apply(q_idx.contiguous(), w.contiguous(), k_idx.contiguous(), indices.contiguous(),
+                                  target.contiguous(), row_mask, relu, deterministic, bool(dq_over_q_idx))

@@ -30,10 +30,26 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..hytopk.reference import index_scores_reference, selected_scores_reference
+from ..hytopk.reference import index_scores_reference
 
 EPS = 1e-10  # stock's INDEXER_LOSS_EPS
 NEG_INF = float("-inf")
+
+
+def selected_scores_reference(
+    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, relu: bool = True
+) -> torch.Tensor:
+    """Indexer scores at given indices: out[t, j] = I[t, indices[t, j]], fp32 [T, topk], -inf at -1.
+
+    Differentiable in q, w and k through autograd; costs O(T * topk * H * D).
+    """
+    valid = indices >= 0
+    k_sel = k.float()[indices.long().clamp(min=0)]  # [T, topk, D]
+    s = torch.einsum("thd,tjd->thj", q.float(), k_sel)
+    if relu:
+        s = s.relu()
+    out = torch.einsum("thj,th->tj", s, w.float())
+    return out.masked_fill(~valid, NEG_INF)
 
 
 def _rows(per_row_elems: int, budget_elems: int = 1 << 24) -> int:

@@ -15,9 +15,7 @@ import triton.language as tl
 
 from .._common import check, check_tensor
 from .._split_mma import split_flag, split_mma_mark
-from ..sparse_mla.kernel import _block_h, _dot, _gather_kv, _load_rows, _mac, _meta
-
-LOG2E = 1.4426950408889634
+from ..sparse_mla.tiles import LOG2E, block_h, dot, gather_kv, launch_meta, load_rows, mac
 
 
 @triton.jit
@@ -25,23 +23,23 @@ def _target_kernel(q, kv, idx, lse, tgt, scale_log2, N, N_HB,
                    DQK: tl.constexpr, V: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
                    IEEE: tl.constexpr, EVEN: tl.constexpr, BIG: tl.constexpr, ATOMIC: tl.constexpr,
-                   SPLIT_MMA: tl.constexpr = 0):
+                   SPLIT_MMA: tl.constexpr):
     pid = split_mma_mark(tl.program_id(0), SPLIT_MMA)  # SPLIT_MMA: QK^T split over warpgroups (_split_mma.py)
     i_t = pid // N_HB  # query token
     i_h = pid % N_HB  # head block (fastest: the head blocks of a token share its gathers in L2)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     m_h = o_h < N
     row = i_t.to(tl.int64) * N + o_h  # [BLOCK_H]
-    b_qv = _load_rows(q, row, m_h, 0, DQK, V, BLOCK_V, EVEN)  # [BLOCK_H, BLOCK_V]
-    b_qr = _load_rows(q, row, m_h, V, DQK, R, BLOCK_R, EVEN)  # [BLOCK_H, BLOCK_R]
+    b_qv = load_rows(q, row, m_h, 0, DQK, V, BLOCK_V, EVEN)  # [BLOCK_H, BLOCK_V]
+    b_qr = load_rows(q, row, m_h, V, DQK, R, BLOCK_R, EVEN)  # [BLOCK_H, BLOCK_R]
     b_lse = tl.load(lse + row, mask=m_h, other=0.0)  # [BLOCK_H]
     m_row = m_h & (b_lse != float("-inf"))  # heads of rows with no valid key contribute 0
     b_lse = tl.where(m_row, b_lse, 0.0) * 1.4426950408889634
     for k0 in range(0, K, BLOCK_K):
         # the attention forward's gather: padded slots load row 0 unmasked (cp.async-friendly), masked below
-        b_kv, b_kr, b_row, m_k, o_k = _gather_kv(kv, idx, i_t, k0, K, DQK, V, R, BLOCK_K, BLOCK_V, BLOCK_R,
+        b_kv, b_kr, b_row, m_k, o_k = gather_kv(kv, idx, i_t, k0, K, DQK, V, R, BLOCK_K, BLOCK_V, BLOCK_R,
                                                  EVEN, BIG)
-        b_s = _mac(b_qr, tl.trans(b_kr), _dot(b_qv, tl.trans(b_kv), IEEE), IEEE)  # [BLOCK_H, BLOCK_K]
+        b_s = mac(b_qr, tl.trans(b_kr), dot(b_qv, tl.trans(b_kv), IEEE), IEEE)  # [BLOCK_H, BLOCK_K]
         b_p = tl.exp2(b_s * scale_log2 - b_lse[:, None])
         b_p = tl.where(m_row[:, None] & m_k[None, :], b_p, 0.0)  # [BLOCK_H, BLOCK_K]
         b_t = tl.sum(b_p, axis=0)  # [BLOCK_K] head sum
@@ -52,24 +50,18 @@ def _target_kernel(q, kv, idx, lse, tgt, scale_log2, N, N_HB,
             tl.store(p_t, b_t, mask=o_k < K)
 
 
-# BLOCK_K 64, 8 warps, 2 stages: the attention forward's best config on the H200 (the same gathers and QK
-# tiles, without the PV product); the old 32-key, masked-gather version ran at ~110 TFLOP/s (180 ms at
-# T = 64K, N = 128 in bench/results/sparse_attn.csv).
-# split_mma: unsplit, the first of the two chained QK^T dots gets warpsPerCTA [8, 1] (both warpgroups compute
-# it) and its accumulator is converted to the second's [4, 2] every key tile; split, both are [4, 2]. H200,
-# T = 64K, N = 128, k = 2048 (session 9, bench/target_sweep.py): 126.6 -> 91.1 ms, the same output.
-TARGET_CFG = dict(block_k=64, num_warps=8, num_stages=2, split_mma=True)
+# The attention forward's tiles (the same gathers and QK^T, without the P V product); QK^T split over the
+# two warpgroups (kernels/_split_mma.py).
+TARGET_CFG = dict(block_k=64, num_warps=8, num_stages=2)
 
 
 def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor,
-                            softmax_scale: float, v_dim: int = 512, config: dict | None = None) -> torch.Tensor:
+                            softmax_scale: float, v_dim: int = 512) -> torch.Tensor:
     """Head-summed attention probabilities at the selected keys (unnormalised), fp32 [T, topk].
 
     Args:
         query: [T, N, Dqk] (bf16/fp16/fp32), kv: [S, Dqk] same dtype, indices: [T, topk] int32/int64
         (-1 padded), lse: [T, N] fp32 natural-log LSE of the sparse attention over those keys.
-        config: launch overrides (benchmarks): block_h (heads per program, power of two >= 16; default
-        min(64, N rounded up)), block_k, num_warps, num_stages, split_mma (default TARGET_CFG).
     """
     check_tensor("query", query, 3, (torch.bfloat16, torch.float16, torch.float32))
     T, N, DQK = query.shape
@@ -82,22 +74,17 @@ def sparse_attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torc
     check(0 < v_dim <= DQK, f"v_dim must be in (0, {DQK}], got {v_dim}")
     K = indices.shape[1]
     interp = not query.is_cuda
-    cfg = dict(TARGET_CFG, **(config or {}))
-    bad = set(cfg) - {"block_h", "block_k", "num_warps", "num_stages", "split_mma"}
-    check(not bad, f"sparse_attention_target: unknown config keys {sorted(bad)}")
-    bh = cfg.get("block_h")
-    check(bh is None or (isinstance(bh, int) and bh >= 16 and bh & (bh - 1) == 0),
-          f"sparse_attention_target: config block_h must be a power of two >= 16, got {bh!r}")
-    block_h = _block_h(N, bh)
-    n_hb = triton.cdiv(N, block_h)
+    bh = block_h(N)
+    n_hb = triton.cdiv(N, bh)
     tgt = (torch.zeros if n_hb > 1 else torch.empty)((T, K), dtype=torch.float32, device=query.device)
     if T == 0 or K == 0:
         return tgt.zero_()
+    cfg = TARGET_CFG
     _target_kernel[(T * n_hb,)](
         query.contiguous(), kv.contiguous(), indices.contiguous(), lse.contiguous(), tgt,
-        float(softmax_scale) * LOG2E, N, n_hb, BLOCK_H=block_h, BLOCK_K=16 if interp else cfg["block_k"],
-        **_meta(query, kv, indices, v_dim), ATOMIC=n_hb > 1,
-        SPLIT_MMA=split_flag(bool(cfg["split_mma"]), interp, block_h, cfg["num_warps"]),
+        float(softmax_scale) * LOG2E, N, n_hb, BLOCK_H=bh, BLOCK_K=16 if interp else cfg["block_k"],
+        **launch_meta(query, kv, indices, v_dim), ATOMIC=n_hb > 1,
+        SPLIT_MMA=split_flag(interp, bh, cfg["num_warps"]),
         num_warps=4 if interp else cfg["num_warps"], num_stages=1 if interp else cfg["num_stages"],
     )
     return tgt
