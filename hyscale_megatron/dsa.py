@@ -304,7 +304,7 @@ class _Compute:
                 varlen_starts=varlen_starts, varlen_ends=varlen_ends, key_positions=key_positions,
                 topk_length=topk_length)
         v_dim = int(config.kv_lora_rank)
-        sq, b = query.shape[0], query.shape[1]
+        b = query.shape[1]
         if self._attn is not None and self._attn[0] is topk_indices and query is self.query and key is self.key:
             outs = self._attn[1]
             self._attn = None

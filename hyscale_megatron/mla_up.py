@@ -5,7 +5,7 @@ query [s, b, np, 576] and latent key [s, b, 1, 576] right after the core attenti
 from the compressed query / latent when the attention output's gradient arrives. Stock enables it only
 for ``--recompute-granularity selective``. Under full recompute the whole layer is re-run before its
 backward, so the recomputed attention's inputs stay alive through the MLP backward, where the layer's
-peak is (bench/NOTES_memory.md): 18 KB/token of absorbed query alone at 16 heads. This subclass turns
+peak is (docs/memory.md): 18 KB/token of absorbed query alone at 16 heads. This subclass turns
 the same mechanism on inside the recomputed (grad-enabled) forward only; the first, no-grad forward of
 full recompute saves nothing anyway (and a grad hook could not be registered there).
 """

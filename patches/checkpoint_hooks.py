@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextvars
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
