@@ -48,7 +48,8 @@ def test_launch_matches_reference(relu, kth, monkeypatch):
     T, S, H, topk = 7, 150, 2, 8
     q, w, k = inputs(T, S, H, seed=3)
     st, en = causal_bounds(T, S, offset=S - T)
-    idx, val = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=interp_config(kth_search=kth, warm_start=0))
+    cfg = interp_config(kth_search=kth, warm_start=0)
+    idx, val = hytopk(q, w, k, st, en, topk, relu=relu, return_scores=True, config=cfg)
     assert idx.dtype == torch.int32 and val.dtype == torch.float32
     assert compactions and searches, "the key loop did not compact with the k-th search under test"
     assert_reference_sets(q, w, k, st, en, topk, relu, idx, val)

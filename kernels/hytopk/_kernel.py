@@ -39,7 +39,7 @@ RAW_NONE = tl.constexpr(-1)  # an empty buffer slot: the fp32 bits of a NaN, who
 # key groups per tile, each appending to its own region of a row's buffer: the 4 warps of one warpgroup along the
 # MMA's M side (a wgmma warp holds 16 consecutive keys of a 64-key tile), so a group's slots stay inside one warp
 KEY_GROUPS = tl.constexpr(4)
-WARM_Z = tl.constexpr(4.0)  # warm start: the sample rank sits this many binomial standard deviations above the row's share
+WARM_Z = tl.constexpr(4.0)  # warm start: the sample rank's margin in binomial standard deviations above a row's share
 WARM_MIN = tl.constexpr(16)  # warm start: fewest visible sample keys a row needs to use it
 
 

@@ -59,7 +59,7 @@ def default_config(H: int, topk: int, interpret: bool = False) -> Config:
 
 
 def lane_rows(R: int, H: int) -> bool:
-    """Whether the score tile's columns give each accumulator lane whole rows (_kernel._block_columns): 4 | R, even H."""
+    """Whether each accumulator lane of the score tile holds whole rows (_kernel._block_columns): 4 | R, even H."""
     return R % 4 == 0 and H % 2 == 0
 
 
@@ -72,7 +72,8 @@ def check_config(cfg: Config) -> None:
     """Refuse launch shapes the kernel cannot run, naming the field to change."""
     check(cfg.block_n % 4 == 0 and 16 <= cfg.block_n <= 128 and cfg.block_n & (cfg.block_n - 1) == 0,
           f"hytopk: Config.block_n must be 16, 32, 64 or 128 (4 key groups of <= 32 keys), got {cfg.block_n}")
-    check(cfg.rows >= 1 and cfg.rows & (cfg.rows - 1) == 0, f"hytopk: Config.rows must be a power of two, got {cfg.rows}")
+    check(cfg.rows >= 1 and cfg.rows & (cfg.rows - 1) == 0,
+          f"hytopk: Config.rows must be a power of two, got {cfg.rows}")
     check(cfg.min_free_tiles >= 1, f"hytopk: Config.min_free_tiles must be >= 1, got {cfg.min_free_tiles}")
     check(cfg.sel_chunk >= 1 and cfg.sel_chunk & (cfg.sel_chunk - 1) == 0,
           f"hytopk: Config.sel_chunk must be a power of two, got {cfg.sel_chunk}")
