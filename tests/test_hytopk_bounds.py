@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _hytopk_helpers import assert_reference_sets, inputs, interp, interp_config
+from _hytopk_helpers import stale_outputs  # noqa: F401  (autouse fixture)
 
 from hyscale_kernels.hytopk import hytopk
 from hyscale_kernels.hytopk.reference import packed_causal_bounds

@@ -24,6 +24,7 @@ from _hytopk_helpers import (
     near_tie_inputs,
     needs_cuda,
     spy,
+    stale_outputs,  # noqa: F401  (autouse fixture)
     zero_ties,
 )
 

@@ -20,6 +20,7 @@ from _hytopk_helpers import (
     needs_cuda,
     same_up_to_rounding,
     sample_rows,
+    stale_outputs,  # noqa: F401  (autouse fixture)
 )
 
 from hyscale_kernels.hytopk import hytopk

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 from _hytopk_helpers import assert_reference_sets, by_index, inputs, interp, interp_config, warm_sample_positions
+from _hytopk_helpers import stale_outputs  # noqa: F401  (autouse fixture)
 
 from hyscale_kernels.hytopk import hytopk
 from hyscale_kernels.hytopk.op import geometry, warm_stats

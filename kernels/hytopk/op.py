@@ -147,6 +147,11 @@ def warm_stats() -> dict | None:
     return dict(warm_rows=a[0], fallback_rows=a[1], fallback_blocks=a[2])
 
 
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The outputs' and the scratch's allocation (tests fill it with stale values to catch unwritten entries)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _launch(q, w, k, starts, ends, topk: int, relu: bool, return_scores: bool, config: Config | None):
     global _warm_stats
     T, H, D = q.shape
@@ -163,12 +168,12 @@ def _launch(q, w, k, starts, ends, topk: int, relu: bool, return_scores: bool, c
     n_blocks = -(-T // R)
     n_prog = n_programs(n_blocks, q.device)
     dev = q.device
-    out_idx = torch.empty((T, topk), dtype=torch.int32, device=dev)
-    out_val = torch.empty((T, topk) if return_scores else (1,), dtype=torch.float32, device=dev)
+    out_idx = _empty((T, topk), torch.int32, dev)
+    out_val = _empty((T, topk) if return_scores else (1,), torch.float32, dev)
     # candidate bits then key indices, [n_prog, R, cap] each, and `chunk` spare slots: the select's rewrite loads
     # the next chunk ahead, past the last row of the index half on its last step (read, never used)
     n_buf = n_prog * R * cap
-    flat = torch.empty(2 * n_buf + chunk, dtype=torch.int32, device=dev)
+    flat = _empty(2 * n_buf + chunk, torch.int32, dev)
     stats = torch.zeros(3, dtype=torch.int32, device=dev)
     if T == 0:
         return (out_idx, out_val) if return_scores else out_idx
