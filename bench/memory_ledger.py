@@ -248,8 +248,8 @@ def install_kernel_standins():
                config=None):
         T, H, D = q.shape
         cfg = config or hytopk_op.default_config(H, topk)
-        R, cap, _, _, _ = hytopk_op._geometry(H, D, topk, cfg)
-        n_prog = max(1, min(hytopk_op.triton_cdiv(T, R), H200_SMS * cfg.programs_per_sm))
+        R, cap = hytopk_op.geometry(D, topk, cfg)[:2]
+        n_prog = max(1, min(-(-T // R), H200_SMS * hytopk_op.PROGRAMS_PER_SM))
         out_idx = torch.empty((T, topk), dtype=torch.int32, device=q.device)
         out_val = torch.empty((T, topk) if return_scores else (1,), dtype=torch.float32, device=q.device)
         scratch = torch.empty((2, n_prog, R, cap), dtype=torch.int32, device=q.device)

@@ -23,10 +23,7 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # the main table's shapes only: config sweeps, A/B rounds, ablations and profiles are variants of one size
-    variant = ("sweep", "ab ", "ablate", "profile")
-    rows = [r for r in csv.DictReader(open(a.csv)) if r["ms"] and not r["shape"].startswith(variant)
-            and "[not default" not in (r.get("note") or "")]  # launch overrides off the default shape
+    rows = [r for r in csv.DictReader(open(a.csv)) if r["ms"] and r.get("config", "default") == "default"]
     # one GPU per plot (the latest run's): points of another GPU would mix clocks and memory sizes
     gpu = rows[-1]["gpu"] if rows else ""
     rows = [r for r in rows if r["gpu"] == gpu]
