@@ -13,7 +13,7 @@
 # longest/longest.{csv,md}, and logs.tar.gz (console logs, run logs, metrics files).
 set -u
 # the GPU machine's environment (stock TileLang bundle, PYTHONPATH), when the repository provides it
-[ -f bench/device_env.sh ] && source bench/device_env.sh
+source bench/device_env.sh
 OUT=${OUT:-/tmp/e2e}; mkdir -p "$OUT"
 cmp() {  # name timeout args...
   local name=$1 limit=$2; shift 2
