@@ -264,6 +264,33 @@ def test_deferred_loss_equals_forward_target_path(N, relu, masked, deterministic
 
 
 @needs_triton
+def test_deferred_loss_reference_path_equals_kernel_path():
+    """On plain CPU tensors the op runs its PyTorch spec (deferred._reference): same output, LSE, reported value
+    and gradients as the kernel path; the returned loss is 0-valued on both."""
+    from hyscale_kernels.indexer_loss import deferred
+
+    q_idx, w, k_idx, query, kv, idx = loss_case(T=7, S=33, N=5, topk=12, seed=4)
+    dout = torch.randn(7, 5, 32, generator=torch.Generator().manual_seed(2))
+    res = []
+    for fn in (sparse_mla_with_indexer_loss, lambda *a, **kw: deferred._reference(
+            *a, 32, True, None, None, kw["on_value"])):
+        ql, wl, kl = (t.clone().requires_grad_() for t in (q_idx, w, k_idx))
+        qa, kva = query.clone().requires_grad_(), kv.clone().requires_grad_()
+        seen = []
+        out, lse, loss = fn(qa, kva, idx, 0.25, ql, wl, kl, v_dim=32, on_value=seen.append)
+        assert loss.item() == 0.0
+        ((out.float() * dout).sum() + 0.05 * loss).backward()
+        res.append((seen[0], out.detach(), lse.detach(), [t.grad for t in (qa, kva, ql, wl, kl)]))
+    (v1, o1, l1, g1), (v2, o2, l2, g2) = res
+    assert v1.item() > 0
+    torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g2, g1):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@needs_triton
 def test_deferred_loss_errors():
     q_idx, w, k_idx, query, kv, idx = loss_case(T=5, S=20, N=4, topk=8)
     ql = q_idx.clone().requires_grad_()

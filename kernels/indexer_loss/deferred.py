@@ -175,9 +175,9 @@ def sparse_mla_with_indexer_loss(
     Returns:
         out [T, N, v_dim] (q's dtype), lse [T, N] fp32, as ``sparse_mla``; loss: fp32 0-d tensor, value 0 in
         the forward, whose gradient g gives the indexer the gradient of g * (the value above).
-    Needs the kernel path (CUDA, or CPU with TRITON_INTERPRET=1).
+    On CPU tensors without TRITON_INTERPRET=1 it runs the PyTorch references (``sparse_mla_reference`` and
+    ``sparse_indexer_loss_reference``) with the same contract, except that ``on_value`` is called in the forward.
     """
-    use_triton("sparse_mla_with_indexer_loss", q, "triton")  # no reference path: a clear error on a plain CPU
     check_inputs(q, kv, indices, softmax_scale, v_dim, check_index_range)
     T = q.shape[0]
     check_tensor("q_idx", q_idx, 3, (torch.bfloat16, torch.float16, torch.float32), device=q.device)
@@ -188,6 +188,8 @@ def sparse_mla_with_indexer_loss(
     if row_mask is not None:
         check(tuple(row_mask.shape) == (T,) and row_mask.device == q.device,
               f"row_mask must be [{T}] on {q.device}, got {tuple(row_mask.shape)} on {row_mask.device}")
+    if not use_triton("sparse_mla_with_indexer_loss", q):
+        return _reference(q, kv, indices, softmax_scale, q_idx, w, k_idx, v_dim, relu, row_mask, tp_group, on_value)
     link = TargetLink()
     indices = indices.contiguous()
     loss = _DeferredSparseKL.apply(q_idx.contiguous(), w.contiguous(), k_idx.contiguous(), indices,
@@ -197,3 +199,18 @@ def sparse_mla_with_indexer_loss(
     out, lse = SparseMLAFunction.apply(q.contiguous(), kv.contiguous(), indices, float(softmax_scale), v_dim,
                                        bool(deterministic), bool(dq_over_q), link, loss)
     return out, lse, loss
+
+
+def _reference(q, kv, indices, softmax_scale, q_idx, w, k_idx, v_dim, relu, row_mask, tp_group, on_value):
+    """The op's spec in PyTorch: the attention, then the KL against its probabilities; the returned loss is
+    value - value.detach() (0 in the forward, the value's gradient in the backward), as the kernel path's."""
+    from ..sparse_mla.reference import sparse_mla_reference  # noqa: PLC0415
+    from .reference import sparse_indexer_loss_reference  # noqa: PLC0415
+
+    out, lse = sparse_mla_reference(q, kv, indices, softmax_scale, v_dim=v_dim)
+    value = sparse_indexer_loss_reference(q_idx, w, k_idx, q, kv, indices, softmax_scale, 1.0, relu=relu,
+                                          lse=lse.detach(), query_valid_rows=row_mask, calculate_per_token_loss=True,
+                                          tp_group=tp_group)
+    if on_value is not None:
+        on_value(value.detach())
+    return out, lse, value - value.detach()
