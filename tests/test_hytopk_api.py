@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from _hytopk_helpers import HAS_CUDA, inputs
-from interp_rerun import compile_sm90_in_subprocess
+from _interp import compile_sm90_in_subprocess
 
 from hyscale_kernels import _common
 from hyscale_kernels.hytopk import MAX_TOPK, Config, _kernel, hytopk, hytopk_reference, op

@@ -26,7 +26,7 @@ from hyscale_kernels.indexer_loss.target import sparse_attention_target
 from hyscale_kernels.sparse_mla import sparse_mla
 from hyscale_kernels.sparse_mla.kernel import sparse_mla_bwd, sparse_mla_fwd
 from hyscale_kernels.sparse_mla.reference import sparse_mla_reference
-from sparse_cases import DEV, loss_case, nan_outputs, needs_triton, rel_l2  # noqa: F401
+from _sparse_cases import DEV, loss_case, nan_outputs, needs_triton, rel_l2  # noqa: F401
 
 PG = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1))  # stock only asks tp.size()
 T, N, DQK, HI, DI, TOPK = 19, 3, 24, 4, 8, 6

@@ -26,7 +26,7 @@ from hyscale_megatron import indexer_recompute
 from hyscale_megatron.config import HyScaleConfig
 from hyscale_megatron.dsa import _UpProjectV
 from hyscale_megatron.models import build_gpt, mla_dsa_config
-from sparse_cases import indexer_case, needs_triton
+from _sparse_cases import indexer_case, needs_triton
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128

@@ -49,7 +49,7 @@ logging.basicConfig(level=logging.INFO, format="%%(message)s")
 sys.path.insert(0, %r)
 import conftest  # noqa: F401  (hyscale_kernels on the path)
 from hyscale_megatron import ops
-from sparse_cases import attn_case, loss_case
+from _sparse_cases import attn_case, loss_case
 
 for _ in range(2):  # twice: one log line per op
     q, kv, idx, dout, _ = attn_case(T=5, N=3, V=32, R=16, S=20, K=8, device="cpu")

@@ -10,7 +10,7 @@ import torch
 from hyscale_kernels.indexer_loss import selected_scores as ss_mod
 from hyscale_kernels.indexer_loss.reference import selected_scores_reference
 from hyscale_kernels.indexer_loss.selected_scores import selected_scores
-from sparse_cases import HAS_CUDA, INTERP, indexer_case, nan_outputs, needs_triton  # noqa: F401
+from _sparse_cases import HAS_CUDA, INTERP, indexer_case, nan_outputs, needs_triton  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("nan_outputs")
 _case = indexer_case

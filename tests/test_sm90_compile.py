@@ -17,7 +17,7 @@ import os
 import pytest
 
 from hyscale_kernels import _split_mma as sm
-from interp_rerun import compile_sm90_in_subprocess
+from _interp import compile_sm90_in_subprocess
 
 _SCRIPT = r"""
 import collections, json, os, re, sys

@@ -11,7 +11,7 @@ import torch
 from hyscale_kernels.sparse_mla import kernel as km
 from hyscale_kernels.sparse_mla import sparse_mla
 from hyscale_kernels.sparse_mla.reference import sparse_mla_reference
-from sparse_cases import TOL, attn_case, attn_grads, gpu_attn_case, nan_outputs, needs_triton, rel_l2  # noqa: F401
+from _sparse_cases import TOL, attn_case, attn_grads, gpu_attn_case, nan_outputs, needs_triton, rel_l2  # noqa: F401
 
 
 def _dense_sparse_mla(q, kv, idx, scale, v_dim):

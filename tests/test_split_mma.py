@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hyscale_kernels import _split_mma as sm
-from sparse_cases import gpu_attn_case, nan_alloc, rel_l2
+from _sparse_cases import gpu_attn_case, nan_alloc, rel_l2
 
 M = sm.MARKER
 SUPPORTED = sm.supported  # the gate itself (fresh_hook opens it)
