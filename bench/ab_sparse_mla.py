@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import statistics
 import sys
@@ -37,7 +36,7 @@ if "--cpu-smoke" in sys.argv[1:]:  # before triton is first imported
     os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
-from common import append_csv, causal_indices, env_info, markdown_table  # noqa: E402
+from common import append_csv, causal_indices, env_info, import_old_kernels, markdown_table  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 H_I, D_I = 64, 128  # indexer heads x dim
@@ -66,16 +65,8 @@ def parse_args(argv=None):
 
 
 def import_old(folder: str):
-    """The old kernels/ tree as the package ``hyscale_kernels_old`` (its imports are relative)."""
-    path = os.path.join(os.path.abspath(folder), "kernels")
-    if not os.path.isfile(os.path.join(path, "__init__.py")):
-        raise SystemExit(f"--old {folder}: no kernels/__init__.py under it")
-    spec = importlib.util.spec_from_file_location("hyscale_kernels_old", os.path.join(path, "__init__.py"),
-                                                  submodule_search_locations=[path])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["hyscale_kernels_old"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    """The old kernels/ tree as the package ``hyscale_kernels_old``."""
+    return import_old_kernels(folder)
 
 
 class Impl:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import importlib.util
 import os
 import statistics
 import subprocess
@@ -21,6 +20,7 @@ import sys
 import time
 
 import _path  # noqa: F401  (repo root on sys.path)
+from common import import_old_kernels
 import torch
 import triton
 
@@ -28,16 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load_old(folder: str):
-    """The hytopk op of ``folder/kernels`` as package ``hyscale_kernels_old`` (its own relative imports intact)."""
-    root = os.path.join(os.path.abspath(folder), "kernels")
-    if not os.path.isfile(os.path.join(root, "hytopk", "op.py")):
-        raise SystemExit(f"--old {folder}: no kernels/hytopk/op.py there (git archive <commit> kernels | tar -x -C "
-                         f"{folder})")
-    spec = importlib.util.spec_from_file_location("hyscale_kernels_old", os.path.join(root, "__init__.py"),
-                                                  submodule_search_locations=[root])
-    pkg = importlib.util.module_from_spec(spec)
-    sys.modules["hyscale_kernels_old"] = pkg
-    spec.loader.exec_module(pkg)
+    """The hytopk op of ``folder/kernels`` (package ``hyscale_kernels_old``)."""
+    import_old_kernels(folder, needs=os.path.join("hytopk", "op.py"))
     from hyscale_kernels_old.hytopk import hytopk  # noqa: PLC0415
 
     return hytopk

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import importlib.util
 import json
 import os
 import statistics
@@ -170,3 +171,17 @@ def markdown_table(rows: list[dict], cols: list[str]) -> str:
     for r in rows:
         out.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
     return "\n".join(out)
+
+
+def import_old_kernels(folder: str, needs: str = "__init__.py"):
+    """The ``kernels/`` tree under ``folder`` (e.g. ``git archive <commit> kernels | tar -x -C folder``) as the
+    package ``hyscale_kernels_old``, its relative imports intact, beside the current ``hyscale_kernels``."""
+    root = os.path.join(os.path.abspath(folder), "kernels")
+    if not os.path.isfile(os.path.join(root, needs)):
+        raise SystemExit(f"--old {folder}: no kernels/{needs} there (git archive <commit> kernels | tar -x -C {folder})")
+    spec = importlib.util.spec_from_file_location("hyscale_kernels_old", os.path.join(root, "__init__.py"),
+                                                  submodule_search_locations=[root])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["hyscale_kernels_old"] = pkg
+    spec.loader.exec_module(pkg)
+    return pkg
