@@ -6,7 +6,7 @@ alternatives the product compiles (warm start off, the other k-th search, mask-s
 for bit; (2) ``main``: per shape, HyTopK, its floor (bench/_topk_floor.py: the same scoring tiles with a running
 max instead of any selection; the faster of its two variants), stock Megatron's TileLang path
 ``fused_qk_topk_lighting`` and stock's default ``fused_qk_topk_naive`` where they fit. Appends rows to
-bench/results/topk.csv (or --csv) and prints a markdown table.
+<out>/topk.csv (``--csv bench/results/topk.csv`` adds them to the repository's results) and prints a markdown table.
 
 On the device (stock needs the bundle that bench/device_env.sh unpacks):
   source bench/device_env.sh && python3 bench/topk.py --out $OUT --parts main --sizes 65536,131072,262144
