@@ -36,7 +36,8 @@ if "--cpu-smoke" in sys.argv[1:]:  # before triton is first imported
     os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
-from common import append_csv, causal_indices, env_info, import_old_kernels, markdown_table  # noqa: E402
+from common import (append_csv, causal_indices, env_info, import_old_kernels, markdown_table,  # noqa: E402
+                    percentile as pct, time_once)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 H_I, D_I = 64, 128  # indexer heads x dim
@@ -155,25 +156,7 @@ def sync():
 
 def time_iters(fn, iters: int) -> list[float]:
     """ms per call (CUDA events; wall clock on the CPU)."""
-    out = []
-    for _ in range(iters):
-        if DEV != "cuda":
-            t = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t) * 1e3)
-            continue
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        out.append(s.elapsed_time(e))
-    return out
-
-
-def pct(ts: list[float], p: float) -> float:
-    ts = sorted(ts)
-    return ts[min(len(ts) - 1, int(p * (len(ts) - 1) + 0.5))]
+    return [time_once(fn) for _ in range(iters)]
 
 
 def main(argv=None) -> int:

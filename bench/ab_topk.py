@@ -20,7 +20,7 @@ import sys
 import time
 
 import _path  # noqa: F401  (repo root on sys.path)
-from common import import_old_kernels
+from common import import_old_kernels, percentile as pct
 import torch
 import triton
 
@@ -55,11 +55,6 @@ def time_calls(fn, n: int) -> float:
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in ev)
-
-
-def pct(xs, f):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(f * (len(xs) - 1))))]
 
 
 def main():

@@ -53,31 +53,38 @@ def sync():
         torch.cuda.synchronize()
 
 
+def time_once(fn) -> float:
+    """ms of one call of fn(): CUDA events on a GPU, the wall clock on the CPU."""
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e)
+
+
+def percentile(ts, p: float) -> float:
+    """The p-quantile (0..1) of ts, nearest rank."""
+    ts = sorted(ts)
+    return ts[min(len(ts) - 1, int(p * (len(ts) - 1) + 0.5))]
+
+
 def time_ms(fn, warmup: int = 1, min_iters: int = 3, max_iters: int = 20, target_ms: float = 1500.0) -> dict:
     """Median and 20/80 percentiles of fn() in ms (CUDA events), after warm-up."""
     for _ in range(warmup):
         fn()
     sync()
     ts = []
-    est = None
     while len(ts) < max_iters:
-        if torch.cuda.is_available():
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e))
-        else:
-            t = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t) * 1e3)
-        est = statistics.median(ts)
+        ts.append(time_once(fn))
         if len(ts) >= min_iters and sum(ts) > target_ms:
             break
-    ts.sort()
-    q = lambda p: ts[min(len(ts) - 1, int(p * (len(ts) - 1) + 0.5))]  # noqa: E731
-    return dict(ms=round(est, 3), p20=round(q(0.2), 3), p80=round(q(0.8), 3), iters=len(ts))
+    return dict(ms=round(statistics.median(ts), 3), p20=round(percentile(ts, 0.2), 3),
+                p80=round(percentile(ts, 0.8), 3), iters=len(ts))
 
 
 def causal_indices(T: int, K: int, device, seed: int = 0, S: int | None = None, rows: int = 2048) -> torch.Tensor:
