@@ -109,6 +109,8 @@ class _Compute:
                                          varlen_starts, varlen_ends, key_positions, use_relu)
             if not self.in_stock_loss:
                 return None, idx
+            # stock's own scoring and masking (its loss is the O(sq * sk) reference path anyway; its topk
+            # on that table is discarded)
             scores, _ = dsa_dispatch.original("qk_topk")(q, k, weights, index_topk, mask, varlen_starts,
                                                            varlen_ends, key_positions, use_relu)
             return scores, idx.long()
@@ -402,15 +404,16 @@ class HyScaleDSAttention(stock_dsa.DSAttention):
     def _check_kernel_shapes(self) -> None:
         """Shapes the kernels cannot take (stock takes any): refused here when 'triton' was asked for; with
         'auto' that part of the layer runs its chunked reference (one log line). HyTopK: index heads, head
-        dim and top-k (``selection.hytopk_unsupported``); sparse attention and indexer loss: top-k <= 2048."""
-        self.attn_kernels_ok = int(self.index_topk) <= selection.HYTOPK_MAX_TOPK
+        dim and top-k (``selection.hytopk_unsupported``); sparse attention and indexer loss: top-k."""
+        from hyscale_kernels.sparse_mla import MAX_TOPK as ATTN_MAX_TOPK  # noqa: PLC0415
+
+        self.attn_kernels_ok = int(self.index_topk) <= ATTN_MAX_TOPK
         if not self.attn_kernels_ok:
-            why = f"dsa_indexer_topk={self.index_topk} (the sparse attention kernel reads at most " \
-                  f"{selection.HYTOPK_MAX_TOPK} keys per row)"
+            why = f"dsa_indexer_topk={self.index_topk}: the sparse attention kernel reads at most {ATTN_MAX_TOPK} keys"
             if self.hyscale.attn_impl == "triton":
                 raise HyScaleConfigError(f"HyScaleConfig.attn_impl='triton' cannot run {why}; use attn_impl='auto' "
                                          "(the chunked reference for this shape) or a smaller top-k")
-            log_once("attn-shape-layer", "hyscale: %s: sparse attention and indexer loss use the chunked PyTorch "
+            log_once("attn-shape", "hyscale: %s; sparse attention and indexer loss run the chunked PyTorch "
                      "reference", why)
         if self.skip_topk or not self.hyscale.enabled:
             return
@@ -421,9 +424,8 @@ class HyScaleDSAttention(stock_dsa.DSAttention):
         if self.hyscale.topk_impl == "triton":
             raise HyScaleConfigError(f"HyScaleConfig.topk_impl='triton' cannot run {why}; use topk_impl='auto' "
                                      "(the chunked reference for this shape) or change the indexer shape")
-        if self.hyscale.topk_impl == "auto":
-            log_once("topk-shape-layer", "hyscale: %s: this layer's top-k uses the chunked PyTorch reference "
-                     "(index head dim, head count or top-k outside HyTopK's range)", why)
+        if self.hyscale.topk_impl == "auto":  # the same key as selection.select_rows: one line per process
+            log_once("topk-shape", "hyscale: %s; top-k runs the chunked PyTorch reference", why)
 
     def _microbatch(self):
         """(microbatch key, is_recompute, will_recompute) of the current forward."""

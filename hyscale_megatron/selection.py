@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from hyscale_kernels.hytopk import op as hytopk_op
 from hyscale_kernels.hytopk import reference as hytopk_ref
 
 from ._log import log_once
@@ -23,19 +24,13 @@ def _hytopk_kernel():
     return hytopk
 
 
-HYTOPK_MAX_TOPK = 2048
-
-
 def hytopk_unsupported(n_heads: int, head_dim: int, topk: int) -> Optional[str]:
-    """Why HyTopK cannot take this indexer shape (None if it can): it needs a power-of-two index head
-    count <= 128, an index head dim that is a multiple of 16 in [16, 256] and top-k <= 2048."""
-    if not (1 <= n_heads <= 128 and n_heads & (n_heads - 1) == 0):
-        return f"dsa_indexer_n_heads={n_heads} (HyTopK needs a power of two <= 128)"
-    if not (head_dim % 16 == 0 and 16 <= head_dim <= 256):
-        return f"dsa_indexer_head_dim={head_dim} (HyTopK needs a multiple of 16 in [16, 256])"
-    if topk > HYTOPK_MAX_TOPK:
-        return f"dsa_indexer_topk={topk} (HyTopK keeps at most {HYTOPK_MAX_TOPK} per row)"
-    return None
+    """Why HyTopK cannot take this indexer shape, naming the Megatron fields (None if it can)."""
+    why = hytopk_op.shape_unsupported(n_heads, head_dim, topk)
+    if why is None:
+        return None
+    return (f"dsa_indexer_n_heads={n_heads}, dsa_indexer_head_dim={head_dim}, dsa_indexer_topk={topk}: "
+            f"HyTopK's {why}")
 
 
 def select_rows(q, w, k, starts, ends, topk: int, relu: bool, impl: str) -> torch.Tensor:
@@ -44,8 +39,7 @@ def select_rows(q, w, k, starts, ends, topk: int, relu: bool, impl: str) -> torc
     if use_kernel and impl == "auto":
         why = hytopk_unsupported(q.shape[1], q.shape[2], topk)
         if why is not None:
-            log_once("topk-shape", "hyscale: %s: top-k uses the chunked PyTorch reference (index head dim, head "
-                     "count or top-k outside the kernel's range)", why)
+            log_once("topk-shape", "hyscale: %s; top-k runs the chunked PyTorch reference", why)
             use_kernel = False
     if use_kernel:
         fn = _hytopk_kernel()

@@ -4,7 +4,7 @@
 :func:`hyscale_kernels.hytopk.op.hytopk`); ``hytopk_reference`` is its PyTorch specification.
 """
 
-from .op import MAX_TOPK, Config, hytopk
+from .op import MAX_TOPK, Config, hytopk, shape_unsupported
 from .reference import hytopk_reference
 
-__all__ = ["hytopk", "hytopk_reference", "Config", "MAX_TOPK"]
+__all__ = ["hytopk", "hytopk_reference", "Config", "MAX_TOPK", "shape_unsupported"]

@@ -224,6 +224,17 @@ def _check_ballot_layout(ttgir: str) -> None:
     _ballot_checked.add(ttgir)
 
 
+def shape_unsupported(H: int, D: int, topk: int) -> str | None:
+    """Why the kernel cannot take H_I index heads of dim D_I with this top-k (None if it can)."""
+    if not (1 <= H <= 128 and (H & (H - 1)) == 0):
+        return f"H_I must be a power of two <= 128, got {H}"
+    if not (D % 16 == 0 and 16 <= D <= 256):
+        return f"D_I must be a multiple of 16 in [16, 256], got {D}"
+    if not 1 <= topk <= MAX_TOPK:
+        return f"topk must be in [1, {MAX_TOPK}], got {topk}"
+    return None
+
+
 def _validate(q, w, k, starts, ends, topk, check_bounds):
     check_tensor("q", q, ndim=3, dtypes=_FLOAT)
     dev = q.device
@@ -239,11 +250,10 @@ def _validate(q, w, k, starts, ends, topk, check_bounds):
     check(k.shape[1] == D, f"k must have shape [S, D_I] with D_I = {D} (from q), got {list(k.shape)}")
     check(tuple(starts.shape) == (T,), f"starts must have shape [T] = [{T}], got {list(starts.shape)}")
     check(tuple(ends.shape) == (T,), f"ends must have shape [T] = [{T}], got {list(ends.shape)}")
-    check(1 <= H <= 128 and (H & (H - 1)) == 0, f"H_I (q.shape[1]) must be a power of two <= 128, got {H}")
-    check(D % 16 == 0 and 16 <= D <= 256, f"D_I must be a multiple of 16 in [16, 256], got {D}")
     if isinstance(topk, bool) or not isinstance(topk, int):
         raise TypeError(f"topk must be an int, got {type(topk).__name__}")
-    check(1 <= topk <= MAX_TOPK, f"topk must be in [1, {MAX_TOPK}], got {topk}")
+    why = shape_unsupported(H, D, topk)
+    check(why is None, why or "")
     for name, t in (("q", q), ("w", w), ("k", k), ("starts", starts), ("ends", ends)):
         check(t.is_contiguous(), f"{name} must be contiguous (call .contiguous() first)")
     # in-kernel offsets into q / out / k are int64; S, T and T * H_I (the w and bounds rows) are int32
@@ -304,4 +314,4 @@ def hytopk(
     return hytopk_reference(q, w, k, starts, ends, topk, relu=relu, return_scores=return_scores)
 
 
-__all__ = ["hytopk", "Config", "default_config", "MAX_TOPK", "warm_stats"]
+__all__ = ["hytopk", "Config", "default_config", "MAX_TOPK", "shape_unsupported", "warm_stats"]
