@@ -4,7 +4,6 @@ import argparse
 import types
 
 import pytest
-import torch
 
 from hyscale_megatron.config import HyScaleConfig, HyScaleConfigError, config_table_markdown
 

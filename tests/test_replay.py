@@ -162,8 +162,6 @@ def test_forced_mismatch_raises():
 
 def test_tampered_recompute_inputs_raise():
     """If the recomputed indexer inputs differ from the forward's, replay refuses."""
-    from megatron.core.tensor_parallel import random as tp_random  # noqa: F401
-
     model = _build(True, replay_on=True, **FULL)
     loss = _fwd(model, _tokens(5))
     for p in model.parameters():
